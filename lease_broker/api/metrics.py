@@ -1,0 +1,61 @@
+"""Prometheus metrics, read from the manager at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from tornado import web
+
+from ..lease import LeaseState
+from ..manager import LeaseManager
+
+
+class BrokerCollector(Collector):
+    def __init__(self, manager: LeaseManager) -> None:
+        self.m = manager
+
+    def collect(self) -> Iterator[Any]:
+        m = self.m
+        gpus = GaugeMetricFamily("gpulease_gpus", "GPUs by state", labels=["state", "simulated"])
+        counts = m.summary()["states"]
+        for state in ("free", "leased", "shared", "draining", "unhealthy"):
+            gpus.add_metric([state, str(m.inventory.simulated).lower()], counts.get(state, 0))
+        yield gpus
+        leases = GaugeMetricFamily("gpulease_leases", "Live leases by state", labels=["state"])
+        by_state: dict[str, float] = {}
+        for lease in m.leases.values():
+            by_state[lease.state.value] = by_state.get(lease.state.value, 0) + 1
+        for state in LeaseState:
+            if not state.terminal:
+                leases.add_metric([state.value], by_state.get(state.value, 0))
+        yield leases
+        trans = CounterMetricFamily(
+            "gpulease_transitions", "Lease state transitions since start", labels=["from_state", "to_state"]
+        )
+        for (a, b), n in sorted(m.transitions_total.items()):
+            trans.add_metric([a, b], n)
+        yield trans
+        held = GaugeMetricFamily("gpulease_user_gpus", "GPUs held per user", labels=["user"])
+        for user, gpus in sorted(m.held_by_user().items()):
+            held.add_metric([user], gpus)
+        yield held
+        yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
+
+
+class MetricsHandler(web.RequestHandler):
+    def initialize(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def get(self) -> None:
+        self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.finish(generate_latest(self.registry))
+
+
+def registry_for(manager: LeaseManager) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=True)
+    reg.register(BrokerCollector(manager))
+    return reg

@@ -1,0 +1,199 @@
+"""`lease-broker`: the command that serves the broker. Wiring only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from tornado import ioloop
+from traitlets import Bool, Float, Instance, Integer, List, Unicode, default
+from traitlets.config import Application, catch_config_error
+
+from . import __version__
+from .api.auth import Authenticator, admin_check
+from .clock import Clock
+from .errors import LeaseError
+from .identity import hash_secret, new_token
+from .inventory import Inventory, inventory_class
+from .inventory.simulated import SimulatedInventory
+from .manager import LeaseManager
+from .policy import LeasePolicy
+from .service import BrokerService, default_socket_path
+from .store import Store
+
+
+def _nvidia_driver_present() -> bool:
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+class TokenApp(Application):
+    name = "lease-broker token"
+    description = "Issue or revoke bearer tokens for clients that reach the broker over TCP."
+    db_path = Unicode("", config=True, help="Lease store (SQLite) path; default: the broker's.")
+    admin = Bool(False, config=True, help="Issue an admin token.")
+    note = Unicode("", config=True, help="A note stored with the token.")
+    aliases = {"db": "TokenApp.db_path", "note": "TokenApp.note"}
+    flags = {"admin": ({"TokenApp": {"admin": True}}, "Issue an admin token.")}
+
+    def start(self) -> None:
+        if len(self.extra_args) != 2 or self.extra_args[0] not in ("create", "revoke"):
+            sys.exit("usage: lease-broker token create USER [--admin] | lease-broker token revoke USER")
+        action, user = self.extra_args
+        store = Store(self.db_path or LeaseBroker().db_path)
+        if action == "create":
+            token = new_token()
+            store.add_token(hash_secret(token), user, self.admin, Clock().now(), self.note)
+            print(token)
+        else:
+            print(f"revoked {store.revoke_tokens(user)} token(s) of {user}")
+
+
+class LeaseBroker(Application):
+    name = "lease-broker"
+    version = __version__
+    description = "Lease GPUs to notebook cells: a broker that queues requests and grants time-limited leases."
+    examples = "lease-broker --inventory=simulated --gpus=4\nlease-broker --generate-config"
+    classes = [LeasePolicy, SimulatedInventory]
+
+    inventory_name = Unicode(
+        "auto",
+        config=True,
+        help="Where GPUs come from: 'nvml' (the NVIDIA driver), 'simulated' (demo/test GPUs, labelled "
+        "simulated everywhere), an entry-point name or 'module:Class'. 'auto' uses NVML when an NVIDIA "
+        "driver is present and refuses to start otherwise.",
+    )
+    socket_path = Unicode(
+        config=True,
+        help="Unix socket to serve on (callers are identified by their uid). Default: "
+        "/run/gpulease/broker.sock as root, else $XDG_RUNTIME_DIR/gpulease/broker.sock or "
+        "/tmp/gpulease-<uid>/broker.sock. Empty string = no Unix socket.",
+    )
+    port = Integer(0, config=True, help="TCP port for bearer-token clients (other nodes). 0 = no TCP listener.")
+    ip = Unicode("127.0.0.1", config=True, help="Address of the TCP listener, e.g. '0.0.0.0'.")
+    db_path = Unicode(config=True, help="SQLite file of the lease store. ':memory:' keeps nothing (tests only).")
+    admin_users = List(Unicode(), config=True, help="User names that act on every lease, e.g. ['alice'].")
+    admin_groups = List(Unicode(), config=True, help="Unix groups whose members are admins, e.g. ['gpuadmin'].")
+    root_is_admin = Bool(True, config=True, help="Whether uid 0 is an admin.")
+    tick_seconds = Float(1.0, config=True, help="Seconds between enforcement ticks (expiry, idleness). Example: 1.")
+    sample_seconds = Float(2.0, config=True, help="Seconds between inventory samples (NVML use); 0 = never.")
+    request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body.")
+    config_file = Unicode("lease_broker_config.py", config=True, help="Config file to load.")
+
+    policy = Instance(LeasePolicy)
+    inventory = Instance(Inventory, allow_none=True)
+
+    aliases = {
+        "inventory": "LeaseBroker.inventory_name",
+        "gpus": "SimulatedInventory.gpus",
+        "nodes": "SimulatedInventory.nodes",
+        "socket": "LeaseBroker.socket_path",
+        "port": "LeaseBroker.port",
+        "ip": "LeaseBroker.ip",
+        "db": "LeaseBroker.db_path",
+        "config": "LeaseBroker.config_file",
+        "log-level": "Application.log_level",
+        "heartbeat-timeout": "LeasePolicy.heartbeat_timeout",
+        "tick": "LeaseBroker.tick_seconds",
+    }
+    flags = {
+        "debug": ({"Application": {"log_level": logging.DEBUG}}, "Log at DEBUG level."),
+    }
+    subcommands = {"token": (TokenApp, TokenApp.description)}
+
+    @default("socket_path")
+    def _default_socket(self) -> str:
+        return default_socket_path()
+
+    @default("db_path")
+    def _default_db(self) -> str:
+        if os.geteuid() == 0:
+            return "/var/lib/gpulease/leases.db"
+        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        return os.path.join(base, "gpulease", "leases.db")
+
+    @default("log_format")
+    def _log_format(self) -> str:
+        return "[%(name)s %(levelname)1.1s %(asctime)s] %(message)s"
+
+    @catch_config_error
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        if self.subapp is not None:
+            return
+        if self.config_file and os.path.exists(self.config_file):
+            self.load_config_file(self.config_file)
+        for name in ("lease_broker", "tornado.access"):
+            logging.getLogger(name).handlers = self.log.handlers
+            logging.getLogger(name).setLevel(self.log_level)  # type: ignore[arg-type]
+            logging.getLogger(name).propagate = False
+        self.policy = LeasePolicy(parent=self)
+        self.inventory = self._make_inventory()
+
+    def _make_inventory(self) -> Inventory:
+        name = self.inventory_name
+        if name == "auto":
+            if not _nvidia_driver_present():
+                raise LeaseError(
+                    "No NVIDIA driver found on this host: start with --inventory=simulated for simulated GPUs "
+                    "(demos and tests), or install the driver",
+                    reason="no_driver",
+                )
+            name = "nvml"
+        return inventory_class(name)(parent=self)
+
+    def start(self) -> None:
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        assert self.inventory is not None
+        if self.db_path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(self.db_path)), mode=0o700, exist_ok=True)
+        store = Store(self.db_path)
+        manager = LeaseManager(store, self.inventory, self.policy)
+        counts = manager.restore()
+        auth = Authenticator(store, admin_check(set(self.admin_users), set(self.admin_groups), self.root_is_admin))
+        info = {"version": __version__, "broker": self.name}
+        service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout)
+        where = []
+        if self.socket_path:
+            service.listen_unix(self.socket_path)
+            where.append(f"unix://{self.socket_path}")
+        if self.port:
+            port = service.listen_tcp(self.port, self.ip)
+            where.append(f"http://{self.ip}:{port}")
+        if not where:
+            raise LeaseError("Nothing to listen on: set --socket or --port", reason="startup")
+        service.start()
+        gpus = manager.gpus
+        self.log.info(
+            "Broker %s serving %d %s GPU(s) on %d node(s) at %s; restored %s; store %s",
+            __version__, len(gpus), self.inventory.kind, len({g.node for g in gpus}), ", ".join(where),
+            counts, self.db_path,
+        )
+        loop = ioloop.IOLoop.current()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_event_loop().add_signal_handler(sig, lambda: loop.add_callback_from_signal(loop.stop))
+        # announce readiness last, so supervisors and tests can wait for it
+        print(f"lease-broker ready: {' '.join(where)}", flush=True)
+        try:
+            loop.start()
+        finally:
+            service.stop()
+            store.close()
+            self.inventory.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        LeaseBroker.launch_instance(argv)
+    except LeaseError as e:
+        print(f"lease-broker: {e.message}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Structured events: every lease transition and GPU change, fanned out to subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+SCHEMA = "gpulease.event/1"
+
+
+class EventBus:
+    """Publish events to subscribers' queues; keeps a short backlog for reconnecting clients."""
+
+    def __init__(self, backlog: int = 1000, clock: Callable[[], float] | None = None) -> None:
+        self._seq = itertools.count(1)
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.backlog: deque[dict[str, Any]] = deque(maxlen=backlog)
+        self._clock = clock
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = {"schema": SCHEMA, "seq": next(self._seq), "type": type_, **fields}
+        if self._clock is not None and "time" not in event:
+            event["time"] = self._clock()
+        self.backlog.append(event)
+        for listener in self.listeners:
+            listener(event)
+        for q in list(self._subscribers):
+            if q.qsize() < 10_000:
+                q.put_nowait(event)
+        return event
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
+        self._subscribers.discard(q)
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)

@@ -1,0 +1,77 @@
+"""A simulated GPU inventory for demos and tests: labelled simulated everywhere.
+
+The GPUs do not exist, but everything around them does: leases attach real
+processes, activity is the CPU time those processes use, and a GPU drains until
+the lease's processes are gone, so the broker runs the same code paths as on a host
+with real GPUs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from traitlets import Integer, Unicode, validate
+
+from ..lease import parse_size
+from . import GPU, GpuSample, Inventory
+
+_NAMESPACE = uuid.UUID("6b1f9e0c-3f5e-4c27-9c1e-5a0f5e0d1a11")
+
+
+class SimulatedInventory(Inventory):
+    kind = "simulated"
+    simulated = True
+
+    gpus = Integer(4, config=True, help="Number of simulated GPUs in all (spread over `nodes`). Example: 8.")
+    nodes = Integer(1, config=True, help="Number of simulated nodes the GPUs are spread over. Example: 2.")
+    gpu_name = Unicode("Simulated GPU", config=True, help="Device name shown for every simulated GPU.")
+    memory = Unicode("80G", config=True, help="Memory of each simulated GPU, e.g. '80G' or '24GiB'.")
+    link_group_size = Integer(
+        4,
+        config=True,
+        help="Simulated GPUs of one node are linked (like NVLink) in groups of this size; "
+        "gangs prefer GPUs of one group. 0 = all GPUs of a node in one group.",
+    )
+
+    @validate("gpus")
+    def _valid_gpus(self, proposal: dict[str, Any]) -> int:
+        if not 1 <= proposal["value"] <= 100_000:
+            raise ValueError(f"SimulatedInventory.gpus={proposal['value']!r}: give 1 to 100000")
+        return int(proposal["value"])
+
+    @validate("nodes")
+    def _valid_nodes(self, proposal: dict[str, Any]) -> int:
+        if not 1 <= proposal["value"] <= 10_000:
+            raise ValueError(f"SimulatedInventory.nodes={proposal['value']!r}: give 1 to 10000")
+        return int(proposal["value"])
+
+    @validate("memory")
+    def _valid_memory(self, proposal: dict[str, Any]) -> str:
+        parse_size(proposal["value"], "SimulatedInventory.memory")
+        return str(proposal["value"])
+
+    def discover(self) -> list[GPU]:
+        nodes = min(self.nodes, self.gpus)
+        per_node, extra = divmod(self.gpus, nodes)
+        mem = parse_size(self.memory)
+        out: list[GPU] = []
+        for n in range(nodes):
+            node = self.node_name if nodes == 1 else f"sim-node-{n}"
+            for i in range(per_node + (1 if n < extra else 0)):
+                group = i // self.link_group_size if self.link_group_size else 0
+                out.append(
+                    GPU(
+                        id="GPU-" + str(uuid.uuid5(_NAMESPACE, f"{node}/{i}")),
+                        index=i,
+                        node=node,
+                        name=self.gpu_name,
+                        memory_total=mem,
+                        link_group=f"{node}/nvl{group}",
+                        simulated=True,
+                    )
+                )
+        return out
+
+    def sample(self) -> dict[str, GpuSample]:
+        return {}

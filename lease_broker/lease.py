@@ -1,0 +1,237 @@
+"""The lease: its states, the one table of allowed transitions, and the request it answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any
+
+from .errors import BadRequest, InvalidTransition
+
+
+class LeaseState(str, enum.Enum):
+    QUEUED = "queued"
+    GRANTED = "granted"
+    ACTIVE = "active"
+    IDLE = "idle"
+    RELEASED = "released"
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    @property
+    def holding(self) -> bool:
+        """True while the lease holds devices."""
+        return self in HOLDING
+
+
+Q, G, A, IDLE = LeaseState.QUEUED, LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE
+ENDINGS = (LeaseState.RELEASED, LeaseState.REVOKED, LeaseState.EXPIRED, LeaseState.FAILED)
+
+#: The one table of allowed transitions.
+TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
+    Q: frozenset({G, LeaseState.CANCELLED, LeaseState.FAILED}),
+    G: frozenset({A, IDLE, *ENDINGS}),
+    A: frozenset({IDLE, *ENDINGS}),
+    IDLE: frozenset({A, *ENDINGS}),
+    **{s: frozenset() for s in (*ENDINGS, LeaseState.CANCELLED)},
+}
+TERMINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
+HOLDING = frozenset({G, A, IDLE})
+
+
+def check_transition(lease_id: str, current: LeaseState, target: LeaseState) -> None:
+    if target not in TRANSITIONS[current]:
+        raise InvalidTransition(
+            f"Lease {lease_id} is {current.value}; it cannot become {target.value}",
+            extra={"state": current.value},
+        )
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(value: Any, what: str = "duration") -> float:
+    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"2h"``; raises BadRequest quoting the value."""
+    if isinstance(value, bool):
+        raise BadRequest(f"Invalid {what} {value!r}: give seconds or a string like '30m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
+    else:
+        raise BadRequest(f"Invalid {what} {value!r}: give seconds or a string like '30m' or '2h'")
+    if not (0 <= seconds < 10 * 365 * 86400) or seconds != seconds:
+        raise BadRequest(f"Invalid {what} {value!r}: must be between 0 and 10 years")
+    return seconds
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from ``1024``, ``"16G"``, ``"512MiB"``; raises BadRequest quoting the value."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "b").lower()[0]
+        mult = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+        return int(float(m.group(1)) * mult)
+    raise BadRequest(f"Invalid {what} {value!r}: give bytes or a string like '16G'")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRequest:
+    """What a client asks for; validated and capped by policy before it is queued."""
+
+    min_gpus: int = 1
+    max_gpus: int = 1
+    fraction: float = 1.0  # < 1: a share of one GPU
+    mem_bytes: int = 0  # > 0: memory wanted on a shared GPU
+    duration_seconds: float = 0.0  # 0 = policy default
+    idle_timeout_seconds: float = 0.0  # 0 = policy default
+    priority: str = "normal"
+    locality: str = "node"  # "node": all GPUs on one node; "any": may span nodes
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    heartbeat: bool = True  # False: no holder heartbeats (CLI leases); time limit and idleness still apply
+
+    @property
+    def shared(self) -> bool:
+        return self.fraction < 1.0 or self.mem_bytes > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LeaseRequest":
+        return parse_request(data)
+
+
+MAX_LABEL_LEN = 1024
+MAX_LABELS = 32
+
+
+def _parse_gpus(value: Any) -> tuple[int, int, float]:
+    """(min, max, fraction) from 2, "1-4", 0.25 or "0.25"."""
+    if isinstance(value, bool):
+        raise BadRequest(f"Invalid gpus {value!r}: give a count like 2, a range like '1-4' or a fraction like 0.25")
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"\d+\s*-\s*\d+", text):
+            lo, hi = (int(x) for x in text.split("-"))
+            if lo < 1 or hi < lo:
+                raise BadRequest(f"Invalid gpus range {value!r}: need 1 <= min <= max")
+            return lo, hi, 1.0
+        try:
+            value = float(text) if "." in text else int(text)
+        except ValueError:
+            raise BadRequest(
+                f"Invalid gpus {value!r}: give a count like 2, a range like '1-4' or a fraction like 0.25"
+            ) from None
+    if isinstance(value, float) and not value.is_integer():
+        if not 0 < value < 1:
+            raise BadRequest(f"Invalid gpus {value!r}: a fraction must be between 0 and 1")
+        return 1, 1, value
+    if isinstance(value, (int, float)):
+        n = int(value)
+        if n < 1:
+            raise BadRequest(f"Invalid gpus {value!r}: ask for at least 1")
+        return n, n, 1.0
+    raise BadRequest(f"Invalid gpus {value!r}: give a count like 2, a range like '1-4' or a fraction like 0.25")
+
+
+def parse_request(data: Any) -> LeaseRequest:
+    """Validate a request body; every error quotes the bad value."""
+    if not isinstance(data, dict):
+        raise BadRequest(f"Request body must be a JSON object, not {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(LeaseRequest)} | {"gpus", "mem", "wait_seconds"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise BadRequest(f"Unknown request field(s): {', '.join(map(repr, unknown))}")
+    if "gpus" in data:
+        lo, hi, frac = _parse_gpus(data["gpus"])
+    else:
+        lo, hi, frac = (
+            _int(data.get("min_gpus", 1), "min_gpus"),
+            _int(data.get("max_gpus", data.get("min_gpus", 1)), "max_gpus"),
+            float(data.get("fraction", 1.0)),
+        )
+        if lo < 1 or hi < lo:
+            raise BadRequest(f"Invalid gpus range {lo!r}-{hi!r}: need 1 <= min_gpus <= max_gpus")
+        if not 0 < frac <= 1:
+            raise BadRequest(f"Invalid fraction {frac!r}: must be in (0, 1]")
+    if lo > 4096:
+        raise BadRequest(f"Invalid gpus {lo!r}: more than any inventory holds")
+    mem = parse_size(data.get("mem", data.get("mem_bytes", 0)), "mem")
+    labels = data.get("labels", {}) or {}
+    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
+        raise BadRequest(f"Invalid labels: give an object of at most {MAX_LABELS} string values")
+    clean: dict[str, str] = {}
+    for k, v in labels.items():
+        if not isinstance(v, (str, int, float)) or len(str(k)) > 128 or len(str(v)) > MAX_LABEL_LEN:
+            raise BadRequest(f"Invalid label {str(k)[:40]!r}: values are strings of at most {MAX_LABEL_LEN} characters")
+        clean[str(k)] = str(v)
+    locality = data.get("locality", "node")
+    if locality not in ("node", "any"):
+        raise BadRequest(f"Invalid locality {locality!r}: use 'node' or 'any'")
+    priority = data.get("priority", "normal")
+    if not isinstance(priority, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", priority):
+        raise BadRequest(f"Invalid priority {priority!r}")
+    heartbeat = data.get("heartbeat", True)
+    if not isinstance(heartbeat, bool):
+        raise BadRequest(f"Invalid heartbeat {heartbeat!r}: must be true or false")
+    return LeaseRequest(
+        heartbeat=heartbeat,
+        min_gpus=lo,
+        max_gpus=hi,
+        fraction=frac,
+        mem_bytes=mem,
+        duration_seconds=parse_duration(data.get("duration_seconds", 0), "duration_seconds"),
+        idle_timeout_seconds=parse_duration(data.get("idle_timeout_seconds", 0), "idle_timeout_seconds"),
+        priority=priority,
+        locality=locality,
+        labels=clean,
+    )
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"Invalid {what} {value!r}: must be an integer")
+    return value
+
+
+@dataclasses.dataclass
+class Lease:
+    """A lease as the broker holds it in memory (a row of the store)."""
+
+    id: str
+    user: str
+    uid: int
+    request: LeaseRequest
+    state: LeaseState
+    created_at: float
+    seq: int = 0  # arrival order
+    reason: str = ""
+    devices: list[str] = dataclasses.field(default_factory=list)  # GPU ids (UUIDs)
+    node: str = ""
+    granted_at: float | None = None
+    expires_at: float | None = None
+    ended_at: float | None = None
+    duration_seconds: float = 0.0
+    idle_timeout_seconds: float = 0.0
+    last_heartbeat: float = 0.0
+    last_activity: float = 0.0
+    pids: list[int] = dataclasses.field(default_factory=list)
+    secret_hash: str = ""
+    warned: str = ""  # last warning sent ("idle", "expiry"), reset on activity / renewal
+
+    @property
+    def gpu_count(self) -> float:
+        if self.request.shared:
+            return self.request.fraction if self.request.fraction < 1 else 1.0
+        return float(len(self.devices) or self.request.min_gpus)

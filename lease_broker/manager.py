@@ -1,0 +1,474 @@
+"""LeaseManager: the broker's state. Owns leases in memory, persists every change, and
+drives the scheduler and the enforcer. Pure of network code: the API calls into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+
+from .clock import Clock
+from .enforcer import Enforcer
+from .errors import BadRequest, Forbidden, InvalidTransition, NotFound
+from .events import EventBus
+from .identity import Identity, hash_secret
+from .inventory import GPU, GpuSample, Inventory
+from .lease import HOLDING, Lease, LeaseState, check_transition, parse_duration, parse_request
+from .policy import LeasePolicy
+from .procs import is_descendant, proc_info
+from .scheduler import Pending, Slot, schedule
+from .store import Store
+from .views import gpu_view, lease_view, may_see
+
+log = logging.getLogger("lease_broker")
+
+
+class LeaseManager:
+    def __init__(
+        self,
+        store: Store,
+        inventory: Inventory,
+        policy: LeasePolicy,
+        clock: Clock | None = None,
+        events: EventBus | None = None,
+    ) -> None:
+        self.store = store
+        self.inventory = inventory
+        self.policy = policy
+        self.clock = clock or Clock()
+        self.events = events or EventBus(clock=self.clock.now)
+        self.leases: dict[str, Lease] = {}  # every non-terminal lease
+        self.gpus: list[GPU] = inventory.discover()
+        self.gpu_by_id = {g.id: g for g in self.gpus}
+        self.samples: dict[str, GpuSample] = {}
+        self.planned: dict[str, float] = {}
+        self.order: list[str] = []
+        self._waiters: dict[str, list[asyncio.Future[Lease]]] = {}
+        self._seq = store.next_seq()
+        self.enforcer = Enforcer(self)
+        self.transitions_total: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------ start / reconcile
+    def restore(self) -> dict[str, int]:
+        """Reload every non-terminal lease and reconcile it with what is running now."""
+        now = self.clock.now()
+        counts = {"queued": 0, "holding": 0, "failed": 0}
+        procs = self.store.processes()
+        for lease in self.store.live():
+            self.leases[lease.id] = lease
+            lease.last_heartbeat = now  # holders could not heartbeat while we were down
+            lease.last_activity = max(lease.last_activity, now)
+            alive = {p: t for p, t in procs.get(lease.id, {}).items() if _same_process(p, t)}
+            lease.pids = sorted(alive)
+            self.enforcer.remember(lease.id, alive)
+            if lease.state in HOLDING:
+                missing = [d for d in lease.devices if d not in self.gpu_by_id]
+                if missing:
+                    self.end(lease, LeaseState.FAILED, "device_gone")
+                    counts["failed"] += 1
+                    continue
+                counts["holding"] += 1
+            else:
+                counts["queued"] += 1
+        self.enforcer.restore_drains(self.store.drains())
+        self._check_no_double_grant()
+        self.schedule()
+        return counts
+
+    def _check_no_double_grant(self) -> None:
+        owner: dict[str, str] = {}
+        for lease in self.leases.values():
+            if lease.state in HOLDING and not lease.request.shared:
+                for d in lease.devices:
+                    if d in owner:
+                        log.error("GPU %s is held by leases %s and %s: revoking the later one", d, owner[d], lease.id)
+                        self.end(lease, LeaseState.FAILED, "double_grant")
+                        break
+                    owner[d] = lease.id
+
+    # ------------------------------------------------------------------ requests
+    def request(self, who: Identity, body: Any) -> tuple[Lease, str]:
+        req = parse_request(body)
+        req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
+        now = self.clock.now()
+        secret = secrets.token_urlsafe(24)
+        lease = Lease(
+            id="l-" + secrets.token_hex(6),
+            user=who.user,
+            uid=who.uid,
+            request=req,
+            state=LeaseState.QUEUED,
+            created_at=now,
+            seq=self._seq,
+            reason="requested",
+            duration_seconds=duration,
+            idle_timeout_seconds=idle,
+            last_heartbeat=now,
+            last_activity=now,
+            secret_hash=hash_secret(secret),
+        )
+        self._seq += 1
+        self.store.insert(lease, now)
+        self.leases[lease.id] = lease
+        log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, _describe(req))
+        self._emit(lease, None)
+        self.schedule()
+        return lease, secret
+
+    def lookup(self, lease_id: str, who: Identity) -> Lease:
+        lease = self.leases.get(lease_id) or self.store.get(lease_id)
+        if lease is None:
+            raise NotFound(f"No lease {lease_id!r}")
+        if not may_see(lease, who):
+            raise Forbidden(f"Lease {lease_id!r} belongs to another user")
+        return lease
+
+    def list_leases(self, who: Identity, everyone: bool = False, include_ended: int = 0) -> list[Lease]:
+        if everyone and not who.admin:
+            raise Forbidden("Only admins can list every user's leases")
+        out = [lease for lease in self.leases.values() if (everyone or lease.user == who.user)]
+        if include_ended:
+            live = {lease.id for lease in out}
+            for lease in self.store.recent(None if everyone else who.user, include_ended):
+                if lease.id not in live and lease.state.terminal:
+                    out.append(lease)
+        return sorted(out, key=lambda lease: lease.seq)
+
+    def release(self, lease_id: str, who: Identity, reason: str = "released") -> Lease:
+        lease = self.lookup(lease_id, who)
+        if lease.state.terminal:
+            raise InvalidTransition(
+                f"Lease {lease_id} already ended ({lease.state.value}: {lease.reason})",
+                extra={"state": lease.state.value},
+            )
+        if lease.user != who.user and who.admin:
+            return self.revoke(lease_id, who, reason or "admin")
+        if lease.state == LeaseState.QUEUED:
+            self.end(lease, LeaseState.CANCELLED, "cancelled")
+        else:
+            self.end(lease, LeaseState.RELEASED, _slug(reason, "released"))
+        return lease
+
+    def revoke(self, lease_id: str, who: Identity, reason: str = "admin") -> Lease:
+        if not who.admin:
+            raise Forbidden("Only admins can revoke leases; use release for your own")
+        lease = self.lookup(lease_id, who)
+        if lease.state.terminal:
+            raise InvalidTransition(f"Lease {lease_id} already ended ({lease.state.value})")
+        target = LeaseState.CANCELLED if lease.state == LeaseState.QUEUED else LeaseState.REVOKED
+        self.end(lease, target, "admin:" + _slug(reason, "revoked"))
+        return lease
+
+    def renew(self, lease_id: str, who: Identity, duration: Any) -> Lease:
+        lease = self._own_live(lease_id, who)
+        seconds = parse_duration(duration, "duration_seconds") if duration is not None else lease.duration_seconds
+        if seconds <= 0:
+            raise BadRequest(f"Invalid duration_seconds {duration!r}: must be > 0")
+        now = self.clock.now()
+        if lease.state == LeaseState.QUEUED:
+            lease.duration_seconds = min(seconds, self.policy.max_duration_seconds)
+            self.store.update(lease)
+            return lease
+        assert lease.granted_at is not None
+        limit = lease.granted_at + self.policy.max_duration_seconds
+        new_expiry = now + seconds
+        if new_expiry > limit + 1e-6:
+            raise Forbidden(
+                f"Renewal refused: lease {lease_id} may not hold GPUs past "
+                f"{self.policy.max_duration_seconds:g} s from its grant (max_duration_seconds); "
+                f"at most {max(0.0, limit - now):.0f} s more",
+                reason="max_duration",
+                extra={"max_expires_at": limit},
+            )
+        lease.expires_at = max(lease.expires_at or 0.0, new_expiry)
+        lease.duration_seconds = lease.expires_at - lease.granted_at
+        self.enforcer.clear_warning(lease.id, "expiry")
+        self.store.update(lease)
+        self.events.publish("lease", lease=self.view(lease), change="renewed", user=lease.user)
+        return lease
+
+    def heartbeat(self, lease_id: str, who: Identity, active: bool = False) -> Lease:
+        lease = self._own_live(lease_id, who)
+        now = self.clock.now()
+        lease.last_heartbeat = now
+        if active and lease.state in HOLDING:
+            self.activity(lease, now)
+        return lease
+
+    def activity(self, lease: Lease, now: float) -> None:
+        lease.last_activity = now
+        self.enforcer.clear_warning(lease.id, "idle")
+        if lease.state in (LeaseState.GRANTED, LeaseState.IDLE):
+            self.transition(lease, LeaseState.ACTIVE, "activity")
+
+    def attach(self, lease_id: str, who: Identity, pid: Any) -> Lease:
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+            raise BadRequest(f"Invalid pid {pid!r}: give the process id of a process you own")
+        lease = self._own_live(lease_id, who)
+        if lease.state.terminal:
+            raise InvalidTransition(f"Lease {lease_id} has ended")
+        info = proc_info(pid)
+        if info is None:
+            raise BadRequest(f"No process {pid} is running on the broker's host")
+        if who.uid < 0:
+            raise Forbidden("Processes can be attached only over the broker's Unix socket")
+        if info.uid != who.uid:
+            raise Forbidden(f"Process {pid} does not belong to you")
+        if who.pid and not is_descendant(pid, who.pid):
+            raise Forbidden(f"Process {pid} is not the caller or one of its descendants")
+        if pid not in lease.pids:
+            lease.pids.append(pid)
+        self.enforcer.remember(lease.id, {pid: info.start_ticks})
+        self.store.attach(lease.id, pid, info.start_ticks)
+        return lease
+
+    def _own_live(self, lease_id: str, who: Identity) -> Lease:
+        lease = self.lookup(lease_id, who)
+        if lease.user != who.user and not who.admin:
+            raise Forbidden(f"Lease {lease_id!r} belongs to another user")
+        if lease.state.terminal:
+            raise InvalidTransition(
+                f"Lease {lease_id} has ended ({lease.state.value}: {lease.reason})", extra={"state": lease.state.value}
+            )
+        return lease
+
+    async def wait(self, lease: Lease, timeout: float) -> Lease:
+        """Wait until a queued lease is granted or ends, at most ``timeout`` seconds."""
+        if lease.state != LeaseState.QUEUED or timeout <= 0:
+            return lease
+        fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(lease.id, []).append(fut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            return lease
+        finally:
+            waiters = self._waiters.get(lease.id)
+            if waiters and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    self._waiters.pop(lease.id, None)
+
+    # ------------------------------------------------------------------ transitions
+    def transition(self, lease: Lease, target: LeaseState, reason: str) -> None:
+        check_transition(lease.id, lease.state, target)
+        before = lease.state
+        now = self.clock.now()
+        lease.state = target
+        lease.reason = reason
+        if target.terminal:
+            lease.ended_at = now
+        try:
+            self.store.transition(lease, before, now)
+        except Exception:
+            lease.state, lease.ended_at = before, None
+            raise
+        key = (before.value, target.value)
+        self.transitions_total[key] = self.transitions_total.get(key, 0) + 1
+        if target.terminal:
+            self.leases.pop(lease.id, None)
+        level = logging.DEBUG if {before, target} <= {LeaseState.ACTIVE, LeaseState.IDLE} else logging.INFO
+        log.log(level, "Lease %s %s -> %s (%s), user %s", lease.id, before.value, target.value, reason, lease.user)
+        self._emit(lease, before)
+        if before == LeaseState.QUEUED:
+            for fut in self._waiters.pop(lease.id, []):
+                if not fut.done():
+                    fut.set_result(lease)
+
+    def end(self, lease: Lease, target: LeaseState, reason: str) -> None:
+        """End a lease: persist, stop its processes, drain its GPUs, hand them on."""
+        held = lease.state in HOLDING
+        self.transition(lease, target, reason)
+        if held:
+            self.enforcer.stop(lease)
+        self.inventory.forget(lease.id)
+        self.planned.pop(lease.id, None)
+        if held:
+            self.schedule()
+            self._emit_gpus()
+
+    def _emit(self, lease: Lease, before: LeaseState | None) -> None:
+        self.events.publish(
+            "lease",
+            lease=self.view(lease),
+            change=lease.state.value,
+            previous=before.value if before else None,
+            user=lease.user,
+        )
+
+    def _emit_gpus(self) -> None:
+        self.events.publish("gpus", summary=self.summary())
+
+    # ------------------------------------------------------------------ scheduling
+    def slots(self) -> list[Slot]:
+        now = self.clock.now()
+        slots = {
+            g.id: Slot(id=g.id, node=g.node, index=g.index, link_group=g.link_group, memory_total=g.memory_total)
+            for g in self.gpus
+        }
+        for gpu_id in self.enforcer.draining:
+            if gpu_id in slots:
+                slots[gpu_id].available = False
+                slots[gpu_id].free_at = now + self.policy.term_timeout
+        for gpu_id in self.enforcer.unhealthy:
+            if gpu_id in slots:
+                slots[gpu_id].available = False
+                slots[gpu_id].free_at = float("inf")
+        for lease in self.leases.values():
+            if lease.state not in HOLDING:
+                continue
+            end = lease.expires_at or now
+            for d in lease.devices:
+                s = slots.get(d)
+                if s is None:
+                    continue
+                if lease.request.shared:
+                    s.shares += lease.request.fraction
+                    s.n_shared += 1
+                    s.mem_used += lease.request.mem_bytes or int(lease.request.fraction * s.memory_total)
+                else:
+                    s.exclusive = True
+                s.free_at = max(s.free_at, end)
+        return list(slots.values())
+
+    def held_by_user(self) -> dict[str, float]:
+        held: dict[str, float] = {}
+        for lease in self.leases.values():
+            if lease.state in HOLDING:
+                held[lease.user] = held.get(lease.user, 0.0) + lease.gpu_count
+        return held
+
+    def pending(self) -> list[Pending]:
+        return [
+            Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds)
+            for lease in self.leases.values()
+            if lease.state == LeaseState.QUEUED
+        ]
+
+    def schedule(self) -> int:
+        pending = self.pending()
+        if not pending:
+            self.order, self.planned = [], {}
+            return 0
+        now = self.clock.now()
+        decision = schedule(pending, self.slots(), self.held_by_user(), self.policy.scheduler_policy(), now)
+        self.order = decision.order
+        self.planned = decision.planned_start
+        for grant in decision.grants:
+            lease = self.leases[grant.lease_id]
+            lease.devices = list(grant.gpu_ids)
+            lease.node = grant.node
+            lease.granted_at = now
+            lease.expires_at = now + lease.duration_seconds
+            lease.last_activity = now
+            lease.last_heartbeat = max(lease.last_heartbeat, now)
+            self.transition(lease, LeaseState.GRANTED, "granted")
+        if decision.grants:
+            self._emit_gpus()
+        return len(decision.grants)
+
+    # ------------------------------------------------------------------ views
+    def view(self, lease: Lease) -> dict[str, Any]:
+        position = estimate = idle_deadline = None
+        if lease.state == LeaseState.QUEUED:
+            try:
+                position = self.order.index(lease.id) + 1
+            except ValueError:
+                position = None
+            estimate = self.planned.get(lease.id)
+        elif lease.state in HOLDING and lease.idle_timeout_seconds:
+            idle_deadline = lease.last_activity + lease.idle_timeout_seconds
+        devices = [self.gpu_by_id[d] for d in lease.devices if d in self.gpu_by_id]
+        return lease_view(
+            lease,
+            self.gpu_by_id,
+            simulated=self.inventory.simulated,
+            visible_devices=self.inventory.visible_devices(devices) if devices else "",
+            position=position,
+            estimate=estimate,
+            idle_deadline=idle_deadline,
+        )
+
+    def gpu_states(self) -> dict[str, tuple[str, list[Lease]]]:
+        holders: dict[str, list[Lease]] = {}
+        for lease in self.leases.values():
+            if lease.state in HOLDING:
+                for d in lease.devices:
+                    holders.setdefault(d, []).append(lease)
+        out: dict[str, tuple[str, list[Lease]]] = {}
+        for g in self.gpus:
+            hs = holders.get(g.id, [])
+            if g.id in self.enforcer.unhealthy:
+                state = "unhealthy"
+            elif hs:
+                state = "shared" if any(h.request.shared for h in hs) else "leased"
+            elif g.id in self.enforcer.draining:
+                state = "draining"
+            else:
+                state = "free"
+            out[g.id] = (state, hs)
+        return out
+
+    def gpu_views(self, who: Identity) -> list[dict[str, Any]]:
+        states = self.gpu_states()
+        return [gpu_view(g, states[g.id][0], self.samples.get(g.id), states[g.id][1], who) for g in self.gpus]
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for state, _ in self.gpu_states().values():
+            counts[state] = counts.get(state, 0) + 1
+        return {
+            "total": len(self.gpus),
+            "free": counts.get("free", 0),
+            "states": counts,
+            "queued": sum(1 for lease in self.leases.values() if lease.state == LeaseState.QUEUED),
+            "simulated": self.inventory.simulated,
+        }
+
+    def queue_views(self, who: Identity) -> list[dict[str, Any]]:
+        now = self.clock.now()
+        out = []
+        for pos, lease_id in enumerate(self.order, 1):
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.state != LeaseState.QUEUED:
+                continue
+            mine = may_see(lease, who)
+            out.append(
+                {
+                    "position": pos,
+                    "lease_id": lease.id if mine else None,
+                    "user": lease.user,
+                    "mine": lease.user == who.user,
+                    "min_gpus": lease.request.min_gpus,
+                    "max_gpus": lease.request.max_gpus,
+                    "fraction": lease.request.fraction,
+                    "priority": lease.request.priority,
+                    "waited_seconds": max(0.0, now - lease.created_at),
+                    "estimated_start": self.planned.get(lease.id),
+                }
+            )
+        return out
+
+    # ------------------------------------------------------------------ time
+    def tick(self) -> None:
+        """Enforce time: expiry, heartbeats, idleness, warnings, kills, drains. Then schedule."""
+        self.enforcer.tick(self.clock.now())
+        self.schedule()
+
+
+def _same_process(pid: int, start_ticks: int) -> bool:
+    info = proc_info(pid)
+    return info is not None and (not start_ticks or info.start_ticks == start_ticks)
+
+
+def _slug(reason: str, default: str) -> str:
+    text = "".join(c if c.isalnum() or c in "-_: " else "_" for c in (reason or default))[:200].strip()
+    return text or default
+
+
+def _describe(req: Any) -> str:
+    if req.shared:
+        return f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
+    return str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"

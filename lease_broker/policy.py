@@ -1,0 +1,151 @@
+"""Admin policy: what a lease may ask for and how long it may hold GPUs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traitlets import Dict, Float, Integer, Unicode, validate
+from traitlets.config import Configurable
+
+from .errors import BadRequest, Forbidden
+from .lease import LeaseRequest
+from .scheduler import SchedulerPolicy
+
+
+def _positive(name: str, value: float, allow_zero: bool = True) -> float:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"LeasePolicy.{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
+    return value
+
+
+class LeasePolicy(Configurable):
+    """Limits every lease request; caps are applied, not negotiated."""
+
+    default_duration_seconds = Float(
+        3600.0, config=True, help="Lease time limit in seconds when a request names none. Example: 3600 (1 h)."
+    )
+    max_duration_seconds = Float(
+        8 * 3600.0,
+        config=True,
+        help="Longest lease time limit in seconds, also after renewals (a longer request is capped). Example: 28800.",
+    )
+    default_idle_timeout_seconds = Float(
+        600.0,
+        config=True,
+        help="Seconds without activity after which a lease is revoked, when a request names none. "
+        "0 = never revoke for idleness. Example: 600.",
+    )
+    max_idle_timeout_seconds = Float(
+        3600.0, config=True, help="Largest idle timeout in seconds a request may ask for (capped). Example: 3600."
+    )
+    max_gpus_per_user = Float(
+        0.0,
+        config=True,
+        help="GPUs one user may hold at once (fractions count as their share); 0 = unlimited. Example: 4.",
+    )
+    user_max_gpus = Dict(
+        value_trait=Float(),
+        config=True,
+        help="Per-user override of max_gpus_per_user, e.g. {'alice': 8}. 0 = unlimited.",
+    )
+    heartbeat_timeout = Float(
+        60.0,
+        config=True,
+        help="Seconds without a heartbeat from a lease's holder after which the lease is revoked "
+        "with reason 'holder_gone'. Example: 60.",
+    )
+    warn_before_seconds = Float(
+        60.0,
+        config=True,
+        help="Seconds before an idle revocation or an expiry at which the holder is warned. Example: 60.",
+    )
+    idle_mark_seconds = Float(
+        30.0,
+        config=True,
+        help="Seconds without activity after which a granted lease is shown as 'idle' (it is not revoked "
+        "before its idle timeout). Example: 30.",
+    )
+    term_timeout = Float(
+        5.0,
+        config=True,
+        help="Seconds between SIGTERM and SIGKILL when a lease's processes are stopped. Example: 5.",
+    )
+    priority_classes = Dict(
+        value_trait=Integer(),
+        default_value={"low": 0, "normal": 10, "high": 20},
+        config=True,
+        help="Priority classes and their ranks (higher is served first), e.g. {'low': 0, 'normal': 10}.",
+    )
+    backfill_depth = Integer(
+        8,
+        config=True,
+        help="How many blocked requests at the head of the queue reserve GPUs as they free up; "
+        "later requests may use those GPUs only if they end first. 0 = no reservations (plain priority).",
+    )
+    max_shares_per_gpu = Float(
+        1.0, config=True, help="Sum of the fractions of shared leases one GPU may hold. Example: 1.0."
+    )
+    max_leases_per_shared_gpu = Integer(
+        4, config=True, help="How many shared (fractional) leases one GPU may hold at once. Example: 4."
+    )
+    default_priority = Unicode("normal", config=True, help="Priority class of a request that names none.")
+
+    @validate("default_duration_seconds", "max_duration_seconds", "term_timeout")
+    def _valid_positive(self, proposal: dict[str, Any]) -> float:
+        return _positive(proposal["trait"].name, proposal["value"], allow_zero=False)
+
+    @validate(
+        "default_idle_timeout_seconds",
+        "max_idle_timeout_seconds",
+        "max_gpus_per_user",
+        "heartbeat_timeout",
+        "warn_before_seconds",
+        "idle_mark_seconds",
+        "max_shares_per_gpu",
+    )
+    def _valid_nonneg(self, proposal: dict[str, Any]) -> float:
+        return _positive(proposal["trait"].name, proposal["value"])
+
+    # ------------------------------------------------------------------------------------------
+    def user_cap(self, user: str) -> float:
+        return float(self.user_max_gpus.get(user, self.max_gpus_per_user))
+
+    def scheduler_policy(self) -> SchedulerPolicy:
+        return SchedulerPolicy(
+            priority_ranks=dict(self.priority_classes),
+            user_cap=self.user_cap,
+            max_shares_per_gpu=self.max_shares_per_gpu,
+            max_leases_per_shared_gpu=self.max_leases_per_shared_gpu,
+            backfill_depth=self.backfill_depth,
+        )
+
+    def apply(self, user: str, req: LeaseRequest, total_gpus: int) -> tuple[LeaseRequest, float, float]:
+        """Check a request against policy; returns (request, duration, idle timeout) with caps applied."""
+        priority = req.priority or self.default_priority
+        if priority == "normal" and "normal" not in self.priority_classes:
+            priority = self.default_priority
+        if priority not in self.priority_classes:
+            known = ", ".join(sorted(self.priority_classes))
+            raise BadRequest(f"Unknown priority class {priority!r}: use one of {known}")
+        if req.min_gpus > total_gpus:
+            raise BadRequest(
+                f"Request for {req.min_gpus} GPUs can never be granted: the inventory has {total_gpus}",
+                reason="too_large",
+            )
+        cap = self.user_cap(user)
+        need = req.fraction if req.shared else req.min_gpus
+        if cap > 0 and need > cap:
+            raise Forbidden(
+                f"Request for {need:g} GPUs exceeds your limit of {cap:g} GPUs at once (max_gpus_per_user)",
+                reason="quota",
+            )
+        duration = req.duration_seconds or self.default_duration_seconds
+        duration = min(duration, self.max_duration_seconds)
+        idle = req.idle_timeout_seconds or self.default_idle_timeout_seconds
+        if self.max_idle_timeout_seconds:
+            idle = min(idle, self.max_idle_timeout_seconds)
+        if req.max_gpus > total_gpus:
+            req = LeaseRequest(**{**req.to_json(), "max_gpus": total_gpus})
+        if priority != req.priority:
+            req = LeaseRequest(**{**req.to_json(), "priority": priority})
+        return req, duration, idle

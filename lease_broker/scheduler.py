@@ -1,0 +1,261 @@
+"""The scheduler: a pure function from (queue, GPUs, policy, now) to grants.
+
+No I/O and no clock: everything it needs is passed in, so it is tested table by
+table and replayed over traces with a virtual clock.
+
+Order: priority class, then fair share (lower decayed usage per weight first),
+then arrival. A gang is placed only where all its GPUs fit with its locality, and
+never partially. Every lease has a time limit, so the scheduler can plan: the
+first ``backfill_depth`` requests that cannot start now reserve the GPUs that free
+up soonest, and later requests may use those GPUs only if they end before the
+reservation starts (EASY backfill), so big requests are not starved by small ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from .lease import LeaseRequest
+
+INF = math.inf
+
+
+@dataclasses.dataclass
+class Slot:
+    """A GPU as the scheduler sees it."""
+
+    id: str
+    node: str
+    index: int = 0
+    link_group: str = ""
+    memory_total: int = 0
+    exclusive: bool = False  # held by an exclusive lease
+    shares: float = 0.0  # sum of the fractions of shared leases on it
+    mem_used: int = 0  # memory promised to shared leases
+    n_shared: int = 0
+    available: bool = True  # False while draining, unhealthy, or reserved by an admin window
+    free_at: float = 0.0  # when it is expected to be free for an exclusive lease (INF = never)
+
+    @property
+    def idle(self) -> bool:
+        return self.available and not self.exclusive and self.n_shared == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    lease_id: str
+    user: str
+    request: LeaseRequest
+    seq: int
+    duration: float  # effective lease duration (policy applied)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    lease_id: str
+    gpu_ids: tuple[str, ...]
+    node: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerPolicy:
+    priority_ranks: Mapping[str, int] = dataclasses.field(
+        default_factory=lambda: {"low": 0, "normal": 10, "high": 20}
+    )
+    user_cap: Callable[[str], float] = lambda user: 0.0  # max GPUs held at once; 0 = unlimited
+    max_shares_per_gpu: float = 1.0
+    max_leases_per_shared_gpu: int = 4
+    backfill_depth: int = 8
+
+
+@dataclasses.dataclass
+class Decision:
+    grants: list[Grant] = dataclasses.field(default_factory=list)
+    planned_start: dict[str, float] = dataclasses.field(default_factory=dict)  # lease id -> estimate
+    order: list[str] = dataclasses.field(default_factory=list)  # queue order, lease ids
+
+
+def queue_order(
+    pending: Iterable[Pending], policy: SchedulerPolicy, usage: Mapping[str, float] | None = None
+) -> list[Pending]:
+    """Priority class (high first), then fair-share usage (low first), then arrival."""
+    usage = usage or {}
+    ranks = policy.priority_ranks
+    return sorted(pending, key=lambda p: (-ranks.get(p.request.priority, 0), usage.get(p.user, 0.0), p.seq))
+
+
+def schedule(
+    pending: Iterable[Pending],
+    slots: Iterable[Slot],
+    held_by_user: Mapping[str, float],
+    policy: SchedulerPolicy,
+    now: float,
+    usage: Mapping[str, float] | None = None,
+) -> Decision:
+    state = _State([dataclasses.replace(s) for s in slots], dict(held_by_user), policy, now)
+    decision = Decision()
+    blocked = 0
+    for p in queue_order(pending, policy, usage):
+        decision.order.append(p.lease_id)
+        req = p.request
+        end = now + p.duration
+        if req.shared:
+            grant = state.place_shared(p, end)
+        else:
+            grant = state.place_exclusive(p, end)
+        if grant is not None:
+            decision.grants.append(grant)
+            decision.planned_start[p.lease_id] = now
+            continue
+        if not req.shared and blocked < policy.backfill_depth and state.within_cap(p, req.min_gpus):
+            start = state.reserve(p)
+            if start < INF:
+                decision.planned_start[p.lease_id] = start
+            blocked += 1
+    return decision
+
+
+class _State:
+    """Mutable working copy of the GPUs during one scheduling pass."""
+
+    def __init__(self, slots: list[Slot], held: dict[str, float], policy: SchedulerPolicy, now: float) -> None:
+        self.slots = slots
+        self.by_id = {s.id: s for s in slots}
+        self.held = held
+        self.policy = policy
+        self.now = now
+        self.reserved_from: dict[str, float] = {}  # slot id -> earliest reservation start
+        self.busy_until: dict[str, float] = {}  # slot id -> when its reservation ends
+        self.nodes: dict[str, list[Slot]] = {}
+        for s in slots:
+            self.nodes.setdefault(s.node, []).append(s)
+        for members in self.nodes.values():
+            members.sort(key=lambda s: s.index)
+
+    # --- caps ------------------------------------------------------------------------------
+    def within_cap(self, p: Pending, count: float) -> bool:
+        cap = self.policy.user_cap(p.user)
+        return cap <= 0 or self.held.get(p.user, 0.0) + count <= cap + 1e-9
+
+    def _cap_room(self, p: Pending) -> float:
+        cap = self.policy.user_cap(p.user)
+        return INF if cap <= 0 else cap - self.held.get(p.user, 0.0)
+
+    # --- exclusive -------------------------------------------------------------------------
+    def _usable(self, s: Slot, end: float) -> bool:
+        return s.idle and self.reserved_from.get(s.id, INF) >= end
+
+    def place_exclusive(self, p: Pending, end: float) -> Grant | None:
+        req = p.request
+        room = self._cap_room(p)
+        if room < req.min_gpus:
+            return None
+        want_max = int(min(req.max_gpus, room))
+        free_by_node = {n: [s for s in members if self._usable(s, end)] for n, members in self.nodes.items()}
+        chosen: list[Slot] | None = None
+        fitting = [(len(free), n) for n, free in free_by_node.items() if len(free) >= req.min_gpus]
+        if fitting:
+            # best fit: the node that will have the fewest GPUs left (keeps big holes for big gangs)
+            if req.min_gpus == req.max_gpus:
+                _, node = min(fitting)
+            else:
+                _, node = max(fitting)  # incremental: the node where it gets the most
+            free = free_by_node[node]
+            chosen = pick_connected(free, min(want_max, len(free)))
+        elif req.locality == "any":
+            total = sum(len(f) for f in free_by_node.values())
+            if total >= req.min_gpus:
+                chosen = []
+                for _, node in sorted(((-len(f), n) for n, f in free_by_node.items())):
+                    need = min(want_max, total) - len(chosen)
+                    if need <= 0:
+                        break
+                    chosen.extend(pick_connected(free_by_node[node], min(need, len(free_by_node[node]))))
+        if not chosen:
+            return None
+        for s in chosen:
+            s.exclusive = True
+            s.free_at = end
+        self.held[p.user] = self.held.get(p.user, 0.0) + len(chosen)
+        nodes = sorted({s.node for s in chosen})
+        return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
+
+    def reserve(self, p: Pending) -> float:
+        """Plan the earliest start of a blocked exclusive request and reserve those GPUs."""
+        k = p.request.min_gpus
+        best: tuple[float, list[Slot]] = (INF, [])
+
+        def ready(s: Slot) -> float:
+            base = self.now if s.idle else (s.free_at if s.available or s.free_at < INF else INF)
+            return max(base, self.busy_until.get(s.id, self.now))
+
+        groups: list[list[Slot]] = list(self.nodes.values())
+        if p.request.locality == "any":
+            groups = [self.slots]
+        for members in groups:
+            if len(members) < k:
+                continue
+            times = sorted(members, key=ready)[:k]
+            start = ready(times[-1])
+            if start < best[0]:
+                best = (start, times)
+        start, chosen = best
+        if start < INF:
+            for s in chosen:
+                self.reserved_from[s.id] = min(self.reserved_from.get(s.id, INF), start)
+                self.busy_until[s.id] = max(self.busy_until.get(s.id, 0.0), start + p.duration)
+        return start
+
+    # --- shared ----------------------------------------------------------------------------
+    def place_shared(self, p: Pending, end: float) -> Grant | None:
+        req = p.request
+        if self._cap_room(p) < req.fraction - 1e-9:
+            return None
+        pol = self.policy
+        best: Slot | None = None
+        best_key: tuple[Any, ...] | None = None
+        for s in self.slots:
+            if not s.available or s.exclusive:
+                continue
+            if s.n_shared == 0 and self.reserved_from.get(s.id, INF) < end:
+                continue
+            mem = req.mem_bytes or int(req.fraction * s.memory_total)
+            if s.shares + req.fraction > pol.max_shares_per_gpu + 1e-9:
+                continue
+            if s.n_shared + 1 > pol.max_leases_per_shared_gpu:
+                continue
+            if s.memory_total and s.mem_used + mem > s.memory_total:
+                continue
+            # pack: already-shared GPUs first, fullest first
+            key = (s.n_shared == 0, -s.shares, s.node, s.index)
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        if best is None:
+            return None
+        best.shares += req.fraction
+        best.n_shared += 1
+        best.mem_used += req.mem_bytes or int(req.fraction * best.memory_total)
+        best.free_at = max(best.free_at, end)
+        self.held[p.user] = self.held.get(p.user, 0.0) + req.fraction
+        return Grant(p.lease_id, (best.id,), best.node)
+
+
+def pick_connected(free: list[Slot], k: int) -> list[Slot]:
+    """k GPUs of one node, preferring one link group (NVLink island) that fits them best."""
+    if k <= 0:
+        return []
+    groups: dict[str, list[Slot]] = {}
+    for s in free:
+        groups.setdefault(s.link_group, []).append(s)
+    fitting = [g for g in groups.values() if len(g) >= k]
+    if fitting:
+        return min(fitting, key=lambda g: (len(g), g[0].index))[:k]
+    chosen: list[Slot] = []
+    for g in sorted(groups.values(), key=lambda g: (-len(g), g[0].index)):
+        chosen.extend(g[: k - len(chosen)])
+        if len(chosen) == k:
+            break
+    return chosen

@@ -1,0 +1,147 @@
+"""Running the broker: listeners, the tick loop, inventory sampling. No policy here."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import stat
+from typing import Any
+
+from tornado import httpserver, ioloop, netutil, web
+
+from .api.auth import Authenticator
+from .api.handlers import NotFoundHandler, default_handlers
+from .api.metrics import MetricsHandler, registry_for
+from .errors import LeaseError
+from .manager import LeaseManager
+
+log = logging.getLogger("lease_broker")
+
+
+def default_socket_path() -> str:
+    """The documented default: /run/gpulease/broker.sock for a system broker (root),
+    else $XDG_RUNTIME_DIR/gpulease/broker.sock, else /tmp/gpulease-<uid>/broker.sock."""
+    if os.geteuid() == 0:
+        return "/run/gpulease/broker.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "gpulease", "broker.sock")
+    return f"/tmp/gpulease-{os.getuid()}/broker.sock"
+
+
+class StartupError(LeaseError):
+    status_code = 500
+    reason = "startup"
+
+
+def make_app(manager: LeaseManager, auth: Authenticator, info: dict[str, Any]) -> web.Application:
+    ctx = {"manager": manager, "auth": auth, "info": info}
+    handlers: list[Any] = [(path, cls, ctx) for path, cls in default_handlers()]
+    handlers.append((r"/metrics", MetricsHandler, {"registry": registry_for(manager)}))
+    handlers.append((r".*", NotFoundHandler, ctx))
+    return web.Application(handlers, websocket_ping_interval=20, log_function=_log_request)
+
+
+def _log_request(handler: web.RequestHandler) -> None:
+    status = handler.get_status()
+    level = logging.WARNING if status >= 500 else logging.DEBUG
+    # never log headers: they may carry tokens
+    log.log(level, "%d %s %s %.1fms", status, handler.request.method, handler.request.path,
+            1000.0 * handler.request.request_time())
+
+
+def bind_unix(path: str) -> socket.socket:
+    """Bind the broker's Unix socket: mode 0666 (identity comes from SO_PEERCRED)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise StartupError(
+            f"The socket directory {directory!r} is writable by every user, who could replace the socket: "
+            "chmod o-w it or choose another path with --socket"
+        )
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale socket of a broker that is gone
+        else:
+            raise StartupError(f"Another broker is already serving on {path!r}: stop it or use --socket")
+        finally:
+            probe.close()
+    try:
+        return netutil.bind_unix_socket(path, mode=0o666, backlog=1024)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise StartupError(f"Cannot create the socket {path!r} ({e.strerror}): use --socket with a path you own") from e
+        raise
+
+
+class BrokerService:
+    """Listeners and timers around a LeaseManager."""
+
+    def __init__(self, manager: LeaseManager, auth: Authenticator, info: dict[str, Any],
+                 tick_seconds: float = 1.0, sample_seconds: float = 2.0, request_timeout: float = 30.0) -> None:
+        self.manager = manager
+        self.app = make_app(manager, auth, info)
+        self.server = httpserver.HTTPServer(self.app, idle_connection_timeout=request_timeout * 10,
+                                            body_timeout=request_timeout, max_body_size=1 << 20,
+                                            xheaders=False)
+        self.tick_seconds = tick_seconds
+        self.sample_seconds = sample_seconds
+        self._timers: list[ioloop.PeriodicCallback] = []
+        self.sockets: list[socket.socket] = []
+        self.unix_path: str | None = None
+
+    def listen_unix(self, path: str) -> None:
+        sock = bind_unix(path)
+        self.unix_path = path
+        self.sockets.append(sock)
+        self.server.add_socket(sock)
+
+    def listen_tcp(self, port: int, address: str) -> int:
+        socks = netutil.bind_sockets(port, address=address)
+        self.sockets.extend(socks)
+        self.server.add_sockets(socks)
+        return int(socks[0].getsockname()[1])
+
+    def start(self) -> None:
+        tick = ioloop.PeriodicCallback(self._tick, self.tick_seconds * 1000)
+        fast = ioloop.PeriodicCallback(self._fast, 50)
+        self._timers = [tick, fast]
+        if self.sample_seconds > 0:
+            self._timers.append(ioloop.PeriodicCallback(self._sample, self.sample_seconds * 1000))
+        for t in self._timers:
+            t.start()
+
+    def _tick(self) -> None:
+        try:
+            self.manager.tick()
+        except Exception:
+            log.exception("Tick failed")
+
+    def _fast(self) -> None:
+        if self.manager.enforcer.busy:
+            self._tick()
+
+    async def _sample(self) -> None:
+        try:
+            samples = await asyncio.get_running_loop().run_in_executor(None, self.manager.inventory.sample)
+        except Exception:
+            log.exception("Inventory %s: sampling failed", self.manager.inventory.kind)
+            return
+        self.manager.samples = samples
+
+    def stop(self) -> None:
+        for t in self._timers:
+            t.stop()
+        self.server.stop()
+        if self.unix_path and os.path.exists(self.unix_path):
+            try:
+                os.unlink(self.unix_path)
+            except OSError:
+                pass

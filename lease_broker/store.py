@@ -1,0 +1,316 @@
+"""The only module that touches SQL: leases, their transitions, drains and tokens.
+
+SQLite in WAL mode; every lease transition is one transaction that updates the
+lease and appends to its history. ``:memory:`` for unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import Unavailable
+from .lease import TERMINAL, Lease, LeaseRequest, LeaseState
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    request TEXT NOT NULL,
+    devices TEXT NOT NULL DEFAULT '[]',
+    node TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    granted_at REAL,
+    expires_at REAL,
+    ended_at REAL,
+    duration_seconds REAL NOT NULL,
+    idle_timeout_seconds REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    last_activity REAL NOT NULL,
+    pids TEXT NOT NULL DEFAULT '[]',
+    secret_hash TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle');
+CREATE INDEX IF NOT EXISTS leases_user ON leases(user, created_at);
+CREATE TABLE IF NOT EXISTS transitions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    lease_id TEXT NOT NULL,
+    from_state TEXT,
+    to_state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS transitions_lease ON transitions(lease_id);
+CREATE TABLE IF NOT EXISTS drains (
+    gpu_id TEXT PRIMARY KEY,
+    lease_id TEXT NOT NULL,
+    since REAL NOT NULL,
+    pids TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS processes (
+    lease_id TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    start_ticks INTEGER NOT NULL,
+    PRIMARY KEY (lease_id, pid)
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    hash TEXT PRIMARY KEY,
+    user TEXT NOT NULL,
+    admin INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    note TEXT NOT NULL DEFAULT ''
+);
+"""
+
+_COLUMNS = (
+    "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
+    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash"
+)
+
+
+def _row(lease: Lease) -> tuple[Any, ...]:
+    return (
+        lease.id,
+        lease.seq,
+        lease.user,
+        lease.uid,
+        lease.state.value,
+        lease.reason,
+        json.dumps(lease.request.to_json(), separators=(",", ":")),
+        json.dumps(lease.devices),
+        lease.node,
+        lease.created_at,
+        lease.granted_at,
+        lease.expires_at,
+        lease.ended_at,
+        lease.duration_seconds,
+        lease.idle_timeout_seconds,
+        lease.last_heartbeat,
+        lease.last_activity,
+        json.dumps(lease.pids),
+        lease.secret_hash,
+    )
+
+
+def _lease(r: sqlite3.Row | tuple[Any, ...]) -> Lease:
+    req = json.loads(r[6])
+    return Lease(
+        id=r[0],
+        seq=r[1],
+        user=r[2],
+        uid=r[3],
+        state=LeaseState(r[4]),
+        reason=r[5],
+        request=LeaseRequest(**req),
+        devices=json.loads(r[7]),
+        node=r[8],
+        created_at=r[9],
+        granted_at=r[10],
+        expires_at=r[11],
+        ended_at=r[12],
+        duration_seconds=r[13],
+        idle_timeout_seconds=r[14],
+        last_heartbeat=r[15],
+        last_activity=r[16],
+        pids=json.loads(r[17]),
+        secret_hash=r[18],
+    )
+
+
+class StoreError(Unavailable):
+    reason = "store_unavailable"
+
+
+class Store:
+    """SQLite persistence. Every method is one transaction."""
+
+    def __init__(self, path: str = ":memory:") -> None:
+        self.path = path
+        try:
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=2.0)
+            if path != ":memory:":
+                mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if mode.lower() != "wal":
+                    raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.executescript(_SCHEMA)
+            check = self.db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                self.db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(
+                    f"store schema {row[0]} is newer than this broker understands ({SCHEMA_VERSION}): upgrade the broker"
+                )
+        except sqlite3.Error as e:
+            raise StoreError(
+                f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
+                "LeaseBroker.db_path (--db) elsewhere; the broker will not start without its leases."
+            ) from e
+
+    def _tx(self) -> "_Tx":
+        return _Tx(self)
+
+    def next_seq(self) -> int:
+        row = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM leases").fetchone()
+        return int(row[0]) + 1
+
+    # --- leases ------------------------------------------------------------------------------
+    def insert(self, lease: Lease, at: float) -> None:
+        with self._tx() as db:
+            db.execute(f"INSERT INTO leases ({_COLUMNS}) VALUES ({','.join('?' * 19)})", _row(lease))
+            db.execute(
+                "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)",
+                (lease.id, None, lease.state.value, lease.reason, at),
+            )
+
+    def transition(self, lease: Lease, from_state: LeaseState | None, at: float) -> None:
+        """Persist a lease's new state (and every other field) with a history row."""
+        with self._tx() as db:
+            db.execute(
+                f"REPLACE INTO leases ({_COLUMNS}) VALUES ({','.join('?' * 19)})",
+                _row(lease),
+            )
+            if from_state is not None:
+                db.execute(
+                    "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)",
+                    (lease.id, from_state.value, lease.state.value, lease.reason, at),
+                )
+
+    def update(self, lease: Lease) -> None:
+        """Persist fields that are not a state change (renewal, attached processes)."""
+        self.transition(lease, None, 0.0)
+
+    def touch(self, lease_id: str, last_heartbeat: float, last_activity: float) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE leases SET last_heartbeat=?, last_activity=? WHERE id=?",
+                (last_heartbeat, last_activity, lease_id),
+            )
+
+    def live(self) -> list[Lease]:
+        """Every lease that is not terminal, in arrival order."""
+        states = tuple(s.value for s in LeaseState if s not in TERMINAL)
+        q = f"SELECT {_COLUMNS} FROM leases WHERE state IN ({','.join('?' * len(states))}) ORDER BY seq"
+        return [_lease(r) for r in self.db.execute(q, states)]
+
+    def get(self, lease_id: str) -> Lease | None:
+        r = self.db.execute(f"SELECT {_COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()
+        return _lease(r) if r else None
+
+    def recent(self, user: str | None, limit: int = 50) -> list[Lease]:
+        if user is None:
+            rows = self.db.execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq DESC LIMIT ?", (limit,))
+        else:
+            rows = self.db.execute(
+                f"SELECT {_COLUMNS} FROM leases WHERE user=? ORDER BY seq DESC LIMIT ?", (user, limit)
+            )
+        return [_lease(r) for r in rows]
+
+    def history(self, lease_id: str) -> list[dict[str, Any]]:
+        rows = self.db.execute(
+            "SELECT from_state, to_state, reason, at FROM transitions WHERE lease_id=? ORDER BY id", (lease_id,)
+        )
+        return [{"from": r[0], "to": r[1], "reason": r[2], "at": r[3]} for r in rows]
+
+    def count(self) -> int:
+        return int(self.db.execute("SELECT COUNT(*) FROM leases").fetchone()[0])
+
+    # --- processes ---------------------------------------------------------------------------
+    def attach(self, lease_id: str, pid: int, start_ticks: int) -> None:
+        with self._tx() as db:
+            db.execute("REPLACE INTO processes VALUES (?,?,?)", (lease_id, pid, start_ticks))
+
+    def processes(self) -> dict[str, dict[int, int]]:
+        out: dict[str, dict[int, int]] = {}
+        for lease_id, pid, ticks in self.db.execute("SELECT lease_id, pid, start_ticks FROM processes"):
+            out.setdefault(lease_id, {})[pid] = ticks
+        return out
+
+    def detach_all(self, lease_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM processes WHERE lease_id=?", (lease_id,))
+
+    # --- drains ------------------------------------------------------------------------------
+    def drain(self, gpu_ids: list[str], lease_id: str, pids: list[int], since: float) -> None:
+        with self._tx() as db:
+            db.executemany(
+                "REPLACE INTO drains VALUES (?,?,?,?)", [(g, lease_id, since, json.dumps(pids)) for g in gpu_ids]
+            )
+
+    def drained(self, gpu_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM drains WHERE gpu_id=?", (gpu_id,))
+
+    def drains(self) -> dict[str, tuple[str, float, list[int]]]:
+        return {
+            g: (lease, since, json.loads(pids))
+            for g, lease, since, pids in self.db.execute("SELECT gpu_id, lease_id, since, pids FROM drains")
+        }
+
+    # --- tokens ------------------------------------------------------------------------------
+    def add_token(self, token_hash: str, user: str, admin: bool, at: float, note: str = "") -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO tokens VALUES (?,?,?,?,?)", (token_hash, user, int(admin), at, note))
+
+    def token_user(self, token_hash: str) -> tuple[str, bool] | None:
+        r = self.db.execute("SELECT user, admin FROM tokens WHERE hash=?", (token_hash,)).fetchone()
+        return (r[0], bool(r[1])) if r else None
+
+    def revoke_tokens(self, user: str) -> int:
+        with self._tx() as db:
+            return db.execute("DELETE FROM tokens WHERE user=?", (user,)).rowcount
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class _Tx:
+    def __init__(self, store: Store) -> None:
+        self.db = store.db
+        self.path = store.path
+
+    def __enter__(self) -> sqlite3.Connection:
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise StoreError(
+                f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
+                "Free disk space or stop the other process that locks it."
+            ) from e
+        return self.db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error as e:
+                self.db.execute("ROLLBACK")
+                raise StoreError(
+                    f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
+                    "Free disk space or stop the other process that locks it."
+                ) from e
+        self.db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise StoreError(
+                f"The lease store {self.path!r} cannot be written ({exc}); nothing was changed. "
+                "Free disk space or stop the other process that locks it."
+            ) from exc
+
+
+def iter_rows(store: Store) -> Iterator[Lease]:
+    for r in store.db.execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq"):
+        yield _lease(r)
