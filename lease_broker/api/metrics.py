@@ -39,10 +39,10 @@ class BrokerCollector(Collector):
         for (a, b), n in sorted(m.transitions_total.items()):
             trans.add_metric([a, b], n)
         yield trans
-        held = GaugeMetricFamily("gpulease_user_gpus", "GPUs held per user", labels=["user"])
+        per_user = GaugeMetricFamily("gpulease_user_gpus", "GPUs held per user", labels=["user"])
         for user, gpus in sorted(m.held_by_user().items()):
-            held.add_metric([user], gpus)
-        yield held
+            per_user.add_metric([user], gpus)
+        yield per_user
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
 
 
