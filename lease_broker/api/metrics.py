@@ -40,8 +40,8 @@ class BrokerCollector(Collector):
             trans.add_metric([a, b], n)
         yield trans
         per_user = GaugeMetricFamily("gpulease_user_gpus", "GPUs held per user", labels=["user"])
-        for user, gpus in sorted(m.held_by_user().items()):
-            per_user.add_metric([user], gpus)
+        for user, count in sorted(m.held_by_user().items()):
+            per_user.add_metric([user], count)
         yield per_user
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
 
