@@ -1,0 +1,81 @@
+"""A real `lease-broker` process on a Unix socket, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jupyter_gpulease.client import BrokerClient
+
+
+class BrokerProcess:
+    """Start, kill -9 and restart a real broker with a simulated (or any) inventory."""
+
+    def __init__(self, workdir: Path, gpus: int = 4, nodes: int = 1, args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # Unix socket paths are limited to 107 bytes: keep it short
+        self.socket = str(self.workdir / "b.sock")
+        if len(self.socket) > 100:
+            import tempfile
+
+            self.socket = os.path.join(tempfile.mkdtemp(prefix="gl"), "b.sock")
+        self.db = str(self.workdir / "leases.db")
+        self.url = "unix://" + self.socket
+        self.args = ["--inventory=simulated", f"--gpus={gpus}", f"--nodes={nodes}", *(args or [])]
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.workdir / "broker.log"
+
+    def start(self, timeout: float = 20.0) -> "BrokerProcess":
+        cmd = [sys.executable, "-m", "lease_broker", f"--socket={self.socket}", f"--db={self.db}",
+               "--log-level=DEBUG", *self.args]
+        log = open(self.log_path, "ab")
+        env = {**os.environ, **(self.env or {})}
+        env.pop("GPULEASE_BROKER", None)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+            if os.path.exists(self.socket):
+                try:
+                    BrokerClient(self.url, timeout=2).info()
+                    return self
+                except Exception:
+                    pass
+            time.sleep(0.02)
+        raise RuntimeError(f"broker did not start within {timeout} s:\n{self.log()}")
+
+    def client(self, **kw: object) -> BrokerClient:
+        return BrokerClient(self.url, **kw)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except FileNotFoundError:
+            return ""
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def restart(self) -> "BrokerProcess":
+        self.stop()
+        return self.start()
