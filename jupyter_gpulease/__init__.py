@@ -1,3 +1,41 @@
-"""jupyter-gpulease: the notebook cell, not the notebook, holds the GPU."""
+"""jupyter-gpulease: the notebook cell, not the notebook, holds the GPU.
+
+- ``%load_ext jupyter_gpulease`` registers the ``%%gpu`` and ``%gpu`` magics.
+- The Jupyter server extension (``jupyter_gpulease.serverext``) proxies the broker to the sidebar.
+- ``jupyter_gpulease.client.BrokerClient`` is the one way this package talks to the broker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "jupyter_gpulease.serverext"}]
+
+
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    return [{"src": "labextension", "dest": "jupyter-gpulease"}]
+
+
+def __getattr__(name: str) -> Any:
+    # The Python API (lease, on_gpu, map) is imported lazily so `import jupyter_gpulease` stays cheap.
+    if name in ("lease", "on_gpu", "map", "Lease"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'jupyter_gpulease' has no attribute {name!r}")
