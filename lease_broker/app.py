@@ -81,7 +81,8 @@ class LeaseBroker(Application):
     tick_seconds = Float(1.0, config=True, help="Seconds between enforcement ticks (expiry, idleness). Example: 1.")
     sample_seconds = Float(2.0, config=True, help="Seconds between inventory samples (NVML use); 0 = never.")
     request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body.")
-    config_file = Unicode("lease_broker_config.py", config=True, help="Config file to load.")
+    config_file = Unicode("lease_broker_config.py", config=True, help="Config file to load (Python, traitlets).")
+    generate_config = Bool(False, config=True, help="Print a config file documenting every option, then exit.")
 
     policy = Instance(LeasePolicy)
     inventory = Instance(Inventory, allow_none=True)
@@ -101,6 +102,10 @@ class LeaseBroker(Application):
     }
     flags = {
         "debug": ({"Application": {"log_level": logging.DEBUG}}, "Log at DEBUG level."),
+        "generate-config": (
+            {"LeaseBroker": {"generate_config": True}},
+            "Print a lease_broker_config.py documenting every option (redirect it to a file), then exit.",
+        ),
     }
     subcommands = {"token": (TokenApp, TokenApp.description)}
 
@@ -115,6 +120,10 @@ class LeaseBroker(Application):
         base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
         return os.path.join(base, "gpulease", "leases.db")
 
+    @default("log_level")
+    def _log_level(self) -> int:
+        return logging.INFO
+
     @default("log_format")
     def _log_format(self) -> str:
         return "[%(name)s %(levelname)1.1s %(asctime)s] %(message)s"
@@ -122,7 +131,7 @@ class LeaseBroker(Application):
     @catch_config_error
     def initialize(self, argv: Any = None) -> None:
         super().initialize(argv)
-        if self.subapp is not None:
+        if self.subapp is not None or self.generate_config:
             return
         if self.config_file and os.path.exists(self.config_file):
             self.load_config_file(self.config_file)
@@ -148,6 +157,9 @@ class LeaseBroker(Application):
     def start(self) -> None:
         if self.subapp is not None:
             self.subapp.start()
+            return
+        if self.generate_config:
+            print(self.generate_config_file())
             return
         assert self.inventory is not None
         if self.db_path != ":memory:":

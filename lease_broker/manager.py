@@ -354,7 +354,8 @@ class LeaseManager:
             return 0
         now = self.clock.now()
         decision = schedule(pending, self.slots(), self.held_by_user(), self.policy.scheduler_policy(), now)
-        self.order = decision.order
+        granted = {g.lease_id for g in decision.grants}
+        self.order = [lid for lid in decision.order if lid not in granted]
         self.planned = decision.planned_start
         for grant in decision.grants:
             lease = self.leases[grant.lease_id]

@@ -16,11 +16,11 @@ class BrokerProcess:
     """Start, kill -9 and restart a real broker with a simulated (or any) inventory."""
 
     def __init__(self, workdir: Path, gpus: int = 4, nodes: int = 1, args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, socket_path: str | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         # Unix socket paths are limited to 107 bytes: keep it short
-        self.socket = str(self.workdir / "b.sock")
+        self.socket = socket_path or str(self.workdir / "b.sock")
         if len(self.socket) > 100:
             import tempfile
 

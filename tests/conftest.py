@@ -19,8 +19,9 @@ def broker_factory(tmp_path: Path) -> Iterator:
     started: list[BrokerProcess] = []
 
     def make(gpus: int = 4, nodes: int = 1, args: list[str] | None = None, name: str = "broker",
-             env: dict[str, str] | None = None) -> BrokerProcess:
-        b = BrokerProcess(tmp_path / name, gpus=gpus, nodes=nodes, args=args, env=env).start()
+             env: dict[str, str] | None = None, socket_path: str | None = None) -> BrokerProcess:
+        b = BrokerProcess(tmp_path / name, gpus=gpus, nodes=nodes, args=args, env=env,
+                          socket_path=socket_path).start()
         started.append(b)
         return b
 

@@ -1,0 +1,223 @@
+"""LeaseManager with a virtual clock and an in-memory store: time moves only when told."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lease_broker.clock import VirtualClock
+from lease_broker.errors import BadRequest, Forbidden, InvalidTransition, NotFound
+from lease_broker.identity import Identity
+from lease_broker.inventory.simulated import SimulatedInventory
+from lease_broker.lease import LeaseState
+from lease_broker.manager import LeaseManager
+from lease_broker.policy import LeasePolicy
+from lease_broker.store import Store
+
+ALICE = Identity("alice", uid=1001)
+BOB = Identity("bob", uid=1002)
+ADMIN = Identity("root", uid=0, admin=True)
+
+
+@pytest.fixture
+def make(tmp_path):
+    def _make(gpus=4, nodes=1, db=":memory:", **policy):
+        clock = VirtualClock()
+        pol = LeasePolicy(**{"heartbeat_timeout": 30.0, "default_idle_timeout_seconds": 0, **policy})
+        m = LeaseManager(Store(db), SimulatedInventory(gpus=gpus, nodes=nodes), pol, clock=clock)
+        m.restore()
+        return m, clock
+
+    return _make
+
+
+def events_of(m, type_="lease"):
+    return [e for e in m.events.backlog if e["type"] == type_]
+
+
+def test_grant_release_hands_gpu_to_next(make):
+    m, clock = make(gpus=1)
+    a, _ = m.request(ALICE, {"gpus": 1})
+    b, _ = m.request(BOB, {"gpus": 1})
+    assert a.state == LeaseState.GRANTED and b.state == LeaseState.QUEUED
+    assert m.view(b)["position"] == 1
+    m.release(a.id, ALICE)
+    assert a.state == LeaseState.RELEASED and b.state == LeaseState.GRANTED
+    assert b.devices == a.devices
+
+
+def test_every_transition_is_persisted_with_reason_and_event(make):
+    m, clock = make(gpus=1)
+    a, _ = m.request(ALICE, {"gpus": 1})
+    m.release(a.id, ALICE)
+    hist = m.store.history(a.id)
+    assert [(h["from"], h["to"], h["reason"]) for h in hist] == [
+        (None, "queued", "requested"), ("queued", "granted", "granted"), ("granted", "released", "released")]
+    assert [e["change"] for e in events_of(m)] == ["queued", "granted", "released"]
+
+
+def test_gang_waits_for_all_gpus_and_never_holds_part(make):
+    m, clock = make(gpus=4)
+    small, _ = m.request(ALICE, {"gpus": 2})
+    gang, _ = m.request(BOB, {"gpus": 4})
+    assert gang.state == LeaseState.QUEUED and gang.devices == []
+    # nothing is held for the gang while it waits
+    assert m.summary()["free"] == 2
+    m.release(small.id, ALICE)
+    assert gang.state == LeaseState.GRANTED and len(gang.devices) == 4
+
+
+def test_expiry_with_warning(make):
+    m, clock = make(gpus=1, default_duration_seconds=100, warn_before_seconds=10)
+    a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    clock.advance(91)
+    m.tick()
+    warnings = events_of(m, "warning")
+    assert [w["kind"] for w in warnings] == ["expiry"] and warnings[0]["lease_id"] == a.id
+    assert a.state != LeaseState.EXPIRED
+    clock.advance(10)
+    m.tick()
+    assert a.state == LeaseState.EXPIRED and a.reason == "expired"
+
+
+def test_heartbeat_loss_revokes_holder_gone(make):
+    m, clock = make(gpus=1, heartbeat_timeout=30)
+    a, _ = m.request(ALICE, {"gpus": 1})
+    clock.advance(20)
+    m.heartbeat(a.id, ALICE)
+    clock.advance(20)
+    m.tick()
+    assert a.state in (LeaseState.GRANTED, LeaseState.IDLE)
+    clock.advance(31)
+    m.tick()
+    assert a.state == LeaseState.REVOKED and a.reason == "holder_gone"
+
+
+def test_idle_revocation_after_warning_and_activity_resets(make):
+    m, clock = make(gpus=1, default_idle_timeout_seconds=60, warn_before_seconds=10, idle_mark_seconds=5)
+    a, _ = m.request(ALICE, {"gpus": 1})
+    clock.advance(30)
+    m.heartbeat(a.id, ALICE, active=True)
+    assert a.state == LeaseState.ACTIVE
+    clock.advance(6)
+    m.heartbeat(a.id, ALICE)
+    m.tick()
+    assert a.state == LeaseState.IDLE
+    clock.advance(45)  # 51 s idle: warned, not revoked
+    m.heartbeat(a.id, ALICE)
+    m.tick()
+    assert [w["kind"] for w in events_of(m, "warning")] == ["idle"]
+    assert a.state == LeaseState.IDLE
+    clock.advance(10)
+    m.heartbeat(a.id, ALICE)
+    m.tick()
+    assert a.state == LeaseState.REVOKED and a.reason == "idle"
+
+
+def test_renew_within_and_beyond_maximum(make):
+    m, clock = make(gpus=1, default_duration_seconds=100, max_duration_seconds=300)
+    a, _ = m.request(ALICE, {"gpus": 1})
+    clock.advance(50)
+    m.renew(a.id, ALICE, "200s")
+    assert a.expires_at == pytest.approx(clock.now() + 200)
+    with pytest.raises(Forbidden) as e:
+        m.renew(a.id, ALICE, "1h")
+    assert e.value.reason == "max_duration" and "max_duration_seconds" in e.value.message
+    with pytest.raises(BadRequest):
+        m.renew(a.id, ALICE, "soon")
+
+
+def test_requested_duration_is_capped_by_policy(make):
+    m, clock = make(gpus=1, max_duration_seconds=300)
+    a, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": "5h"})
+    assert a.expires_at - a.granted_at == pytest.approx(300)
+
+
+def test_users_cannot_see_or_act_on_others_leases(make):
+    m, clock = make()
+    a, _ = m.request(ALICE, {"gpus": 1})
+    for action in (lambda: m.lookup(a.id, BOB), lambda: m.release(a.id, BOB), lambda: m.renew(a.id, BOB, 60),
+                   lambda: m.heartbeat(a.id, BOB)):
+        with pytest.raises(Forbidden):
+            action()
+    with pytest.raises(Forbidden):
+        m.revoke(a.id, BOB)
+    with pytest.raises(Forbidden):
+        m.list_leases(BOB, everyone=True)
+    assert m.list_leases(BOB) == []
+    assert m.lookup(a.id, ADMIN) is a
+    m.revoke(a.id, ADMIN, "maintenance")
+    assert a.state == LeaseState.REVOKED and a.reason == "admin:maintenance"
+
+
+def test_unknown_lease_and_double_release(make):
+    m, clock = make()
+    with pytest.raises(NotFound):
+        m.lookup("l-nope", ALICE)
+    a, _ = m.request(ALICE, {"gpus": 1})
+    m.release(a.id, ALICE)
+    with pytest.raises(InvalidTransition):
+        m.release(a.id, ALICE)
+
+
+def test_policy_refusals(make):
+    m, clock = make(gpus=4, max_gpus_per_user=2)
+    with pytest.raises(BadRequest) as e:
+        m.request(ALICE, {"gpus": 8})
+    assert e.value.reason == "too_large" and "4" in e.value.message
+    with pytest.raises(Forbidden) as e2:
+        m.request(ALICE, {"gpus": 3})
+    assert e2.value.reason == "quota"
+    with pytest.raises(BadRequest):
+        m.request(ALICE, {"gpus": 1, "priority": "vip"})
+    assert m.store.count() == 0  # nothing stored half-way
+
+
+def test_cancel_queued(make):
+    m, clock = make(gpus=1)
+    m.request(ALICE, {"gpus": 1})
+    b, _ = m.request(BOB, {"gpus": 1})
+    m.release(b.id, BOB)
+    assert b.state == LeaseState.CANCELLED and b.reason == "cancelled"
+
+
+def test_restore_keeps_every_lease_and_queue_order(make, tmp_path):
+    db = str(tmp_path / "l.db")
+    m, clock = make(gpus=2, db=db)
+    held = [m.request(ALICE, {"gpus": 1})[0] for _ in range(2)]
+    queued = [m.request(BOB, {"gpus": 1})[0] for _ in range(3)]
+    m2 = LeaseManager(Store(db), SimulatedInventory(gpus=2), m.policy, clock=clock)
+    m2.restore()
+    assert {lid for lid, lease in m2.leases.items() if lease.state == LeaseState.GRANTED} == {h.id for h in held}
+    assert m2.order == [q.id for q in queued]
+    devs = [d for lease in m2.leases.values() for d in lease.devices]
+    assert len(devs) == len(set(devs)) == 2
+
+
+def test_attach_rejects_foreign_and_unrelated_processes(make):
+    m, clock = make()
+    import os
+
+    me = Identity("me", uid=os.getuid(), pid=os.getpid())
+    a, _ = m.request(me, {"gpus": 1})
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        m.attach(a.id, me, child.pid)
+        assert child.pid in a.pids
+        other = Identity("me", uid=os.getuid(), pid=child.pid)  # caller is the child: parent is not its descendant
+        with pytest.raises(Forbidden):
+            m.attach(a.id, other, os.getpid())
+        with pytest.raises(Forbidden):
+            m.attach(a.id, Identity("me", uid=os.getuid() + 1, pid=os.getpid()), child.pid)
+        with pytest.raises(BadRequest):
+            m.attach(a.id, me, "1")
+        # ending the lease stops the attached process group and drains the GPU until it is gone
+        m.release(a.id, me)
+        assert child.wait(5) == -15
+        m.tick()
+        assert m.summary()["free"] == 4
+    finally:
+        child.kill()
+        child.wait()
