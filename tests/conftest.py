@@ -8,9 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from broker_process import BrokerProcess  # noqa: E402
+from broker_process import BrokerProcess
 
-from jupyter_gpulease.client import BrokerClient  # noqa: E402
+from jupyter_gpulease.client import BrokerClient
 
 
 @pytest.fixture
