@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .clock import Clock
 from .identity import Identity
-from .inventory import GPU, GpuSample
-from .lease import Lease
+from .inventory import GPU, GpuSample, Inventory
+from .lease import HOLDING, Lease, LeaseState
+
+if TYPE_CHECKING:
+    from .enforcer import Enforcer
 
 
 def may_see(lease: Lease, who: Identity) -> bool:
@@ -99,3 +103,99 @@ def gpu_view(
             for h in holders
         ],
     }
+
+
+class ManagerViews:
+    """The JSON views the API serves, computed from a LeaseManager's state (mixed into it)."""
+
+    leases: dict[str, Lease]
+    gpus: list[GPU]
+    gpu_by_id: dict[str, GPU]
+    samples: dict[str, GpuSample]
+    planned: dict[str, float]
+    order: list[str]
+    inventory: Inventory
+    clock: Clock
+    enforcer: "Enforcer"
+
+    def view(self, lease: Lease) -> dict[str, Any]:
+        position = estimate = idle_deadline = None
+        if lease.state == LeaseState.QUEUED:
+            try:
+                position = self.order.index(lease.id) + 1
+            except ValueError:
+                position = None
+            estimate = self.planned.get(lease.id)
+        elif lease.state in HOLDING and lease.idle_timeout_seconds:
+            idle_deadline = lease.last_activity + lease.idle_timeout_seconds
+        devices = [self.gpu_by_id[d] for d in lease.devices if d in self.gpu_by_id]
+        return lease_view(
+            lease,
+            self.gpu_by_id,
+            simulated=self.inventory.simulated,
+            visible_devices=self.inventory.visible_devices(devices) if devices else "",
+            position=position,
+            estimate=estimate,
+            idle_deadline=idle_deadline,
+        )
+
+    def gpu_states(self) -> dict[str, tuple[str, list[Lease]]]:
+        holders: dict[str, list[Lease]] = {}
+        for lease in self.leases.values():
+            if lease.state in HOLDING:
+                for d in lease.devices:
+                    holders.setdefault(d, []).append(lease)
+        out: dict[str, tuple[str, list[Lease]]] = {}
+        for g in self.gpus:
+            hs = holders.get(g.id, [])
+            if g.id in self.enforcer.unhealthy:
+                state = "unhealthy"
+            elif hs:
+                state = "shared" if any(h.request.shared for h in hs) else "leased"
+            elif g.id in self.enforcer.draining:
+                state = "draining"
+            else:
+                state = "free"
+            out[g.id] = (state, hs)
+        return out
+
+    def gpu_views(self, who: Identity) -> list[dict[str, Any]]:
+        states = self.gpu_states()
+        return [gpu_view(g, states[g.id][0], self.samples.get(g.id), states[g.id][1], who) for g in self.gpus]
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for state, _ in self.gpu_states().values():
+            counts[state] = counts.get(state, 0) + 1
+        return {
+            "total": len(self.gpus),
+            "free": counts.get("free", 0),
+            "states": counts,
+            "queued": sum(1 for lease in self.leases.values() if lease.state == LeaseState.QUEUED),
+            "simulated": self.inventory.simulated,
+        }
+
+    def queue_views(self, who: Identity) -> list[dict[str, Any]]:
+        now = self.clock.now()
+        out = []
+        for pos, lease_id in enumerate(self.order, 1):
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.state != LeaseState.QUEUED:
+                continue
+            mine = may_see(lease, who)
+            out.append(
+                {
+                    "position": pos,
+                    "lease_id": lease.id if mine else None,
+                    "user": lease.user,
+                    "mine": lease.user == who.user,
+                    "min_gpus": lease.request.min_gpus,
+                    "max_gpus": lease.request.max_gpus,
+                    "fraction": lease.request.fraction,
+                    "priority": lease.request.priority,
+                    "waited_seconds": max(0.0, now - lease.created_at),
+                    "estimated_start": self.planned.get(lease.id),
+                }
+            )
+        return out
+
