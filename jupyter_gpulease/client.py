@@ -131,6 +131,9 @@ class BrokerClient:
                 if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
                     continue
                 raise BrokerUnreachable(self.url, e) from None
+            except BaseException:
+                self.close()  # interrupted mid-request: never reuse a connection with a pending response
+                raise
         payload: dict[str, Any]
         try:
             payload = json.loads(raw) if raw else {}

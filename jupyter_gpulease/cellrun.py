@@ -1,0 +1,247 @@
+"""Run code on a lease: the one path shared by ``%%gpu``, sessions and the Python API.
+
+lease granted → worker attached to the lease → job sent (inputs out of band) → output
+forwarded live to the cell and to ``output.log`` → result handed back → worker exits →
+lease released (that is when the GPU memory is actually free) → ``meta.json`` written.
+Cleanup lives in ``finally`` so the lease is released on every path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import transfer
+from .artifacts import ArtifactDir, now_iso
+from .client import BrokerClient
+from .leasing import Heartbeater, release_quietly
+from .runner import Worker, WorkerCrashed
+
+Sink = Callable[[str], None]
+
+
+class CellError(Exception):
+    """The cell failed in its worker: IPython shows the worker's own traceback, not ours."""
+
+    def __init__(self, ename: str, evalue: str, traceback_text: str) -> None:
+        super().__init__(evalue)
+        self.ename, self.evalue, self.traceback_text = ename, evalue, traceback_text
+
+    def _render_traceback_(self) -> list[str]:
+        return self.traceback_text.rstrip("\n").split("\n")
+
+
+def cell_error(ename: str, evalue: str, text: str) -> CellError:
+    """A CellError whose type carries the remote exception's name (what the notebook shows as ename)."""
+    cls: type[CellError] = type(ename, (CellError,), {"__module__": "gpu"}) if ename.isidentifier() else CellError
+    return cls(ename, evalue, text)
+
+
+@dataclass
+class Job:
+    kind: str = "cell"  # "cell" | "call"
+    code: str = ""
+    cell_name: str = "<gpu>"
+    inputs: dict[str, Any] = field(default_factory=dict)
+    out: list[str] = field(default_factory=list)
+    want_value: bool = True
+    header: str = ""  # the magic line, so line numbers match the notebook's
+
+
+@dataclass
+class Outcome:
+    lease: dict[str, Any]
+    value: Any = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    wall: float = 0.0
+    queued: float = 0.0
+    exit_status: int | None = None
+    artifacts: str = ""
+
+
+@dataclass
+class Sinks:
+    out: Sink
+    err: Sink
+
+
+def default_sinks() -> Sinks:
+    def w(stream: Any) -> Sink:
+        def write(text: str) -> None:
+            stream.write(text)
+            stream.flush()
+
+        return write
+
+    return Sinks(w(sys.stdout), w(sys.stderr))
+
+
+def lease_env(lease: dict[str, Any], artifacts: ArtifactDir) -> dict[str, str]:
+    env = {k: str(v) for k, v in (lease.get("env") or {}).items()}
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    env["GPULEASE_LEASE_ID"] = lease["id"]
+    env["GPULEASE_ARTIFACTS"] = artifacts.local
+    return env
+
+
+def job_message(job: Job, env: dict[str, str], oob_dir: str) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "type": "run",
+        "kind": job.kind,
+        "code": job.code,
+        "cell_name": job.cell_name,
+        "out": job.out,
+        "want_value": job.want_value,
+        "header": job.header,
+        "env": env,
+        "cwd": os.getcwd(),
+        "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
+        "oob_dir": oob_dir,
+        "inputs": transfer.dumps_named(job.inputs, oob_dir) if job.inputs else None,
+    }
+    return msg
+
+
+def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float) -> dict[str, Any]:
+    """Send the job and forward output until the result arrives.
+
+    An interrupt is forwarded to the worker as SIGINT (its own KeyboardInterrupt traceback
+    shows); after ``grace`` seconds, or at a second interrupt, its process group is killed.
+    """
+    worker.submit(job)
+    interrupted_at: float | None = None
+    while True:
+        try:
+            if interrupted_at is not None and time.monotonic() >= interrupted_at + grace:
+                worker.kill(0.5)
+                raise KeyboardInterrupt
+            result = worker.poll(0.5, sinks.out, sinks.err)
+            if result is not None:
+                if worker.ready is not None:
+                    transfer.check_versions(transfer.versions(), worker.ready["versions"])
+                return result
+        except KeyboardInterrupt:
+            if interrupted_at is not None:
+                worker.kill(0)
+                raise
+            interrupted_at = time.monotonic()
+            worker.interrupt()
+
+
+def finish_result(result: dict[str, Any], outcome: Outcome) -> None:
+    """Unpack the worker's answer into ``outcome``, or raise the cell's own error."""
+    if result["status"] != "ok":
+        raise cell_error(result["ename"], result["evalue"], result["traceback"])
+    payload = transfer.loads(result["payload"])
+    outcome.outputs, outcome.value = payload["outputs"], payload["value"]
+
+
+class LeaseRun:
+    """Runs jobs on one granted lease (one single-use worker each, or a session's worker)."""
+
+    def __init__(self, client: BrokerClient, heartbeater: Heartbeater, lease: dict[str, Any], artifact_root: str,
+                 queued: float = 0.0) -> None:
+        self.client, self.heartbeater, self.lease = client, heartbeater, lease
+        self.artifacts = ArtifactDir(artifact_root, lease["id"])
+        self.queued = queued
+        self.started_at = now_iso()
+        self.t0 = time.monotonic()
+        self.code_hashes: list[str] = []
+        self.exit_status: int | None = None
+        self.status = "running"
+        heartbeater.add(lease["id"], active=True)
+
+    def env(self) -> dict[str, str]:
+        return lease_env(self.lease, self.artifacts)
+
+    def logging_sinks(self, sinks: Sinks) -> Sinks:
+        def tee(sink: Sink) -> Sink:
+            def write(text: str) -> None:
+                self.artifacts.log(text)
+                sink(text)
+
+            return write
+
+        return Sinks(tee(sinks.out), tee(sinks.err))
+
+    def run(self, worker: Worker, job: Job, sinks: Sinks, grace: float, single_use: bool = True) -> Outcome:
+        """Run ``job`` on ``worker`` (already started); a single-use worker is reaped here."""
+        self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
+        self.client.attach(self.lease["id"], worker.pid)
+        self.heartbeater.set_active(self.lease["id"], True)
+        oob_dir = transfer.shm_dir()
+        outcome = Outcome(self.lease, queued=self.queued, artifacts=self.artifacts.display_path)
+        t0 = time.monotonic()
+        msg: dict[str, Any] | None = None
+        try:
+            msg = job_message(job, self.env(), oob_dir)
+            try:
+                result = drive(worker, msg, self.logging_sinks(sinks), grace)
+            except WorkerCrashed as e:
+                self.status = "crashed"
+                raise cell_error("WorkerCrashed", str(e), f"WorkerCrashed: {e}") from None
+            except KeyboardInterrupt:
+                self.status = "interrupted"
+                raise
+            if single_use:
+                outcome.exit_status = self.exit_status = worker.wait_exit()
+            self.status = "ok" if result["status"] == "ok" else "error"
+            outcome.wall = time.monotonic() - t0
+            if single_use:
+                self.end()  # release as soon as the worker is gone, before unpacking results
+            finish_result(result, outcome)
+            return outcome
+        finally:
+            if msg is not None:
+                transfer.discard(msg.get("inputs"))
+            if single_use:
+                if worker.alive():
+                    worker.kill(0.5)
+                worker.close()
+            else:
+                self.heartbeater.set_active(self.lease["id"], False)
+
+    def end(self, reason: str = "released") -> None:
+        """Release the lease (idempotent) and write meta.json."""
+        if self.status == "ended":
+            return
+        status, self.status = self.status, "ended"
+        self.heartbeater.remove(self.lease["id"])
+        release_quietly(self.client, self.lease["id"], reason)
+        meta = {
+            "lease_id": self.lease["id"],
+            "user": self.lease.get("user"),
+            "devices": self.lease.get("devices"),
+            "node": self.lease.get("node"),
+            "simulated": self.lease.get("simulated"),
+            "env": self.lease.get("env"),
+            "started_at": self.started_at,
+            "ended_at": now_iso(),
+            "wall_seconds": round(time.monotonic() - self.t0, 6),
+            "queued_seconds": round(self.queued, 6),
+            "status": status,
+            "exit_status": self.exit_status,
+            "code_sha256": self.code_hashes,
+        }
+        try:
+            self.artifacts.finish(meta)
+        except Exception as e:  # storage trouble must not lose the result
+            print(f"gpulease: could not write artifacts to {self.artifacts.url}: {e}", file=sys.stderr)
+
+
+def summary_line(outcome: Outcome) -> str:
+    from .format import fmt_duration
+
+    lease = outcome.lease
+    devs = lease.get("devices") or []
+    what = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in devs) or "-"
+    frac = lease.get("fraction") or 1.0
+    n = f"{frac:g} GPU" if frac < 1 else f"{len(devs)} GPU{'s' if len(devs) != 1 else ''}"
+    sim = " (simulated)" if lease.get("simulated") else ""
+    return (f"gpulease: lease {lease['id']} · {n} [{what}]{sim} · ran {fmt_duration(outcome.wall)} · "
+            f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}")

@@ -1,0 +1,206 @@
+"""Getting, keeping and giving back a lease from the kernel's side.
+
+``acquire`` asks the broker and, while queued, shows the position, the time waited
+and the broker's estimate (a widget in a notebook, a text line in a terminal);
+an interrupt cancels the request. ``Heartbeater`` keeps every lease this process
+holds alive with one thread, telling the broker which ones are running a cell.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from typing import Any
+
+from .client import BrokerClient, BrokerError
+from .format import fmt_duration
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.I)
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+
+
+class LeaseUnavailable(Exception):
+    """No lease: refused by policy, cancelled, or not granted within --wait."""
+
+
+def duration(text: str, what: str) -> float:
+    """'90', '30s', '5m', '2h' -> seconds; ValueError quoting the value otherwise."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise ValueError(f"invalid {what} {text!r}: give seconds or a duration like 30s, 5m, 2h")
+    value = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+    if value <= 0:
+        raise ValueError(f"invalid {what} {text!r}: must be positive")
+    return value
+
+
+def size(text: str, what: str) -> int:
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"invalid {what} {text!r}: give bytes or a size like 512M, 10G")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+
+
+def gpus_spec(text: str) -> int | float | str:
+    """'2' -> 2, '1-4' -> '1-4', '0.25' -> 0.25; ValueError quoting the value otherwise."""
+    t = str(text).strip()
+    hint = "give a count like 2, a range like 1-4 or a fraction like 0.25"
+    if re.fullmatch(r"\d+", t):
+        if int(t) < 1:
+            raise ValueError(f"invalid GPU count {text!r}: {hint}")
+        return int(t)
+    if re.fullmatch(r"\d+-\d+", t):
+        lo, hi = (int(x) for x in t.split("-"))
+        if not 1 <= lo <= hi:
+            raise ValueError(f"invalid GPU range {text!r}: need 1 <= MIN <= MAX")
+        return t
+    if re.fullmatch(r"0?\.\d+", t):
+        return float(t)
+    raise ValueError(f"invalid GPU count {text!r}: {hint}")
+
+
+class WaitDisplay:
+    """Queue position, time waited and the estimate: a widget in a notebook, a text line elsewhere."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.widget: Any = None
+        self._text = False
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            if shell is not None and getattr(shell, "kernel", None) is not None:
+                import ipywidgets
+                from IPython.display import display
+
+                self.widget = ipywidgets.HTML()
+                display(self.widget)
+        except Exception:
+            self.widget = None
+
+    def update(self, lease: dict[str, Any], waited: float) -> None:
+        est = lease.get("estimated_start")
+        eta = f", estimated start in {fmt_duration(max(0.0, est - time.time()))}" if est else ""
+        text = f"⏳ {self.label}: queued, position {lease.get('position') or '?'}, waited {fmt_duration(waited)}{eta}"
+        if self.widget is not None:
+            self.widget.value = f"<code>{text}</code> <small>(interrupt the kernel to cancel)</small>"
+        else:
+            self._text = True
+            sys.stderr.write("\r" + text + " " * 4)
+            sys.stderr.flush()
+
+    def close(self, final: str = "") -> None:
+        if self.widget is not None:
+            self.widget.value = f"<code>{final}</code>" if final else ""
+            if not final:
+                self.widget.close()
+        elif self._text:
+            sys.stderr.write("\r" + (final or "") + " " * 20 + "\n")
+            sys.stderr.flush()
+
+
+def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> dict[str, Any]:
+    """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout."""
+    lease = client.request_lease(**request)
+    if lease["state"] == "granted":
+        return lease
+    start = time.monotonic()
+    display: WaitDisplay | None = None
+    granted = False
+    try:
+        while lease["state"] == "queued":
+            waited = time.monotonic() - start
+            if max_wait is not None and waited >= max_wait:
+                raise LeaseUnavailable(
+                    f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.get('position')} in the "
+                    "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
+                )
+            if display is None:
+                display = WaitDisplay(label)
+            display.update(lease, waited)
+            poll = 1.0 if max_wait is None else max(0.05, min(1.0, max_wait - waited))
+            lease = client.lease(lease["id"], wait=poll)
+        if lease["state"] not in ("granted", "active", "idle"):
+            raise LeaseUnavailable(f"Lease {lease['id']} ended while queued: {lease['state']} ({lease['reason']})")
+        granted = True
+        return lease
+    finally:
+        if display is not None:
+            display.close(f"{label}: granted after {fmt_duration(time.monotonic() - start)}" if granted else "")
+        if not granted:
+            release_quietly(client, lease["id"], "cancelled")
+
+
+def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released") -> None:
+    try:
+        client.release(lease_id, reason)
+    except BrokerError as e:
+        if e.status not in (404, 409):  # already gone: fine
+            print(f"gpulease: could not release lease {lease_id}: {e}", file=sys.stderr)
+    except Exception as e:  # the broker is away: it revokes the lease when our heartbeats stop
+        print(f"gpulease: could not release lease {lease_id}: {e}", file=sys.stderr)
+
+
+class Heartbeater:
+    """One thread that heartbeats every lease this process holds."""
+
+    def __init__(self, client: BrokerClient, interval: float = 10.0) -> None:
+        self.client, self.interval = client, interval
+        self._leases: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease_id: str, active: bool = True, on_reply: Any = None) -> None:
+        with self._lock:
+            self._leases[lease_id] = {"active": active, "on_reply": on_reply}
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="gpulease-heartbeat", daemon=True)
+                self._thread.start()
+
+    def at_most(self, interval: float) -> None:
+        """Beat at least this often from now on (a short idle timeout needs timely warnings)."""
+        if interval < self.interval:
+            self.interval = interval
+            self._wake.set()
+
+    def set_active(self, lease_id: str, active: bool) -> None:
+        with self._lock:
+            if lease_id in self._leases:
+                self._leases[lease_id]["active"] = active
+
+    def remove(self, lease_id: str) -> None:
+        with self._lock:
+            self._leases.pop(lease_id, None)
+
+    def beat(self) -> None:
+        with self._lock:
+            items = list(self._leases.items())
+        for lease_id, entry in items:
+            try:
+                view = self.client.heartbeat(lease_id, active=entry["active"])
+            except BrokerError as e:
+                if e.status in (404, 409):
+                    self.remove(lease_id)
+                continue
+            except Exception:
+                continue  # the broker may be restarting; try again next time
+            if entry["on_reply"] is not None:
+                try:
+                    entry["on_reply"](view)
+                except Exception:
+                    pass
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            with self._lock:
+                if not self._leases:
+                    self._thread = None
+                    return
+            self.beat()

@@ -1,0 +1,355 @@
+"""The ``%%gpu`` cell magic and the ``%gpu`` line magic.
+
+Load with ``%load_ext jupyter_gpulease``, or in every kernel by config
+(``c.InteractiveShellApp.extensions = ["jupyter_gpulease"]`` in ``ipython_config.py``).
+Options are traitlets: ``c.GpuMagics.preload = ["numpy", "torch"]`` and so on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Float, Int, List, Unicode
+
+from . import artifacts as _artifacts
+from .cellcode import check_plain_python, select_inputs
+from .cellrun import Job, LeaseRun, default_sinks, summary_line
+from .client import BrokerClient, BrokerError, BrokerUnreachable
+from .format import fmt_duration, table
+from .leasing import Heartbeater, LeaseUnavailable, acquire, duration, gpus_spec, release_quietly, size
+from .runner import WarmPool, Worker
+from .sessions import Session, Sessions
+
+LINE_COMMANDS = """
+Line magic: %gpu status | leases | queue | release ID | sessions | session stop NAME | artifacts [N]
+            | jobs | stop NAME
+"""
+
+
+@magics_class
+class GpuMagics(Magics):
+    broker_url = Unicode(
+        "", config=True,
+        help="Broker URL: unix:///path/to.sock or http://host:port. Empty: $GPULEASE_BROKER, else the "
+        "default socket (/run/gpulease/broker.sock, then /tmp/gpulease-<uid>/broker.sock).",
+    )
+    artifact_root = Unicode(
+        "", config=True,
+        help="Where each lease's artifact directory goes: a local or shared path, or any fsspec URL "
+        "(e.g. s3://bucket/gpulease). Empty: $GPULEASE_ARTIFACT_ROOT, else ~/gpulease-artifacts.",
+    )
+    preload = List(
+        Unicode(), [], config=True,
+        help="Modules the warm worker imports before a lease arrives (import only: CUDA is never "
+        "initialised before the lease). Example: ['numpy', 'torch'].",
+    )
+    warm_workers = Int(1, config=True, help="Pre-started single-use workers to keep ready (0: start one per cell).")
+    worker_python = Unicode(
+        "", config=True, help="Python interpreter for workers. Empty: the kernel's own (sys.executable)."
+    )
+    grace = Float(
+        5.0, config=True,
+        help="Seconds an interrupted cell gets to show its own KeyboardInterrupt before its worker is "
+        "killed (the cell's --grace overrides). Example: 5.",
+    )
+    auto_max_bytes = Int(
+        256 << 20, config=True,
+        help="--in auto does not send a value larger than this many bytes (name it in --in to send it). "
+        "Example: 268435456 (256 MiB).",
+    )
+    hide_gpus = Bool(
+        True, config=True,
+        help="Set CUDA_VISIBLE_DEVICES='' in the kernel when the extension loads, so stray GPU use outside "
+        "%%gpu fails at once instead of holding a GPU. False leaves the kernel's environment alone.",
+    )
+    show_summary = Bool(True, config=True, help="Print one summary line (lease, GPUs, times, artifacts) per cell.")
+    heartbeat_interval = Float(
+        10.0, config=True,
+        help="Seconds between heartbeats for held leases (must be well under the broker's heartbeat "
+        "timeout). Example: 10.",
+    )
+    idle_warning_seconds = Float(
+        60.0, config=True,
+        help="Warn in the cell this many seconds before a session is revoked for idleness. Example: 60.",
+    )
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self._sh: Any = shell
+        self._client: BrokerClient | None = None
+        self._heartbeater: Heartbeater | None = None
+        self.pool = WarmPool(self.worker_python or None, list(self.preload), self.warm_workers)
+        self.sessions = Sessions()
+        self.jobs: dict[str, SimpleNamespace] = {}
+
+    # ---------------------------------------------------------------- plumbing
+    @property
+    def client(self) -> BrokerClient:
+        if self._client is None:
+            self._client = BrokerClient(self.broker_url or None)
+        return self._client
+
+    @property
+    def heartbeater(self) -> Heartbeater:
+        if self._heartbeater is None:
+            self._heartbeater = Heartbeater(self.client, self.heartbeat_interval)
+        return self._heartbeater
+
+    def _root(self) -> str:
+        return self.artifact_root or _artifacts.default_root()
+
+    def _cell_name(self) -> str:
+        n = max(1, int(getattr(self._sh, "execution_count", 1)) - 1)
+        return f"<gpu In[{n}]>"
+
+    # ---------------------------------------------------------------- %gpu / %%gpu
+    @magic_arguments()
+    @argument("gpus", nargs="?", default="1",
+              help="GPUs: a count (2), a range for incremental allocation (1-4), or a fraction of a shared GPU (0.25)")
+    @argument("--mem", help="memory on a shared GPU, e.g. 10G (implies a shared GPU)")
+    @argument("--time", help="time limit of the lease, e.g. 30m (default: the broker's policy)")
+    @argument("--idle", help="idle timeout, e.g. 10m (default: the broker's policy)")
+    @argument("--in", dest="inputs", default="auto",
+              help="kernel variables to send, comma-separated, or 'auto' (default): the free names the cell uses")
+    @argument("--out", default="", help="variables to bring back into the kernel, comma-separated")
+    @argument("--session", help="keep a leased worker with this name across cells")
+    @argument("--bg", help="run in the background under this name; output still lands in this cell")
+    @argument("--priority", help="priority class (see `%%gpu status`)")
+    @argument("--wait", help="give up if no GPU is granted within this long, e.g. 5m (default: wait)")
+    @argument("--grace", help="after an interrupt, how long the cell may take to stop, e.g. 5s")
+    @line_cell_magic
+    def gpu(self, line: str, cell: str | None = None) -> Any:
+        """Run this cell on leased GPUs, in a worker that sees only them; release them when it ends."""
+        if cell is None:
+            return self._line(line)
+        args = parse_argstring(self.gpu, line)
+        opts = self._options(args)
+        if not cell.strip():
+            raise UsageError("%%gpu: the cell is empty")
+        try:
+            check_plain_python(self._sh, cell)
+        except SyntaxError as e:
+            raise UsageError(str(e)) from None
+        explicit = None if args.inputs.strip() == "auto" else _names(args.inputs)
+        try:
+            sel = select_inputs(cell, self._sh.user_ns, explicit, self.auto_max_bytes)
+        except NameError as e:
+            raise UsageError(str(e)) from None
+        if args.session:
+            sel.unknown = []  # names the cell uses may live in the session's worker
+        if sel.note():
+            print(sel.note(), file=sys.stderr)
+        job = Job("cell", cell, self._cell_name(), sel.send, _names(args.out), header=f"%%gpu {line}".rstrip())
+        if args.bg:
+            return self._background(args.bg, opts, job)
+        if args.session:
+            outcome = self._in_session(args.session, opts, job)
+        else:
+            outcome = self._once(opts, job)
+        self._sh.user_ns.update(outcome.outputs)
+        if self.show_summary:
+            print(summary_line(outcome))
+        return outcome.value
+
+    def _options(self, args: Any) -> dict[str, Any]:
+        try:
+            request: dict[str, Any] = {"gpus": gpus_spec(args.gpus), "heartbeat": True}
+            if args.mem:
+                request["mem"] = size(args.mem, "--mem")
+            if args.time:
+                request["duration_seconds"] = duration(args.time, "--time")
+            if args.idle:
+                request["idle_timeout_seconds"] = duration(args.idle, "--idle")
+            if args.priority:
+                request["priority"] = args.priority
+            wait = duration(args.wait, "--wait") if args.wait else None
+            grace = duration(args.grace, "--grace") if args.grace else self.grace
+            for flag in ("session", "bg"):
+                name = getattr(args, flag)
+                if name is not None and not name.replace("-", "_").isidentifier():
+                    raise ValueError(f"invalid --{flag} name {name!r}: use letters, digits, - and _")
+            _names(args.out)
+            if args.inputs.strip() != "auto":
+                _names(args.inputs)
+        except ValueError as e:
+            raise UsageError(f"%%gpu: {e}") from None
+        if args.session and args.bg:
+            raise UsageError("%%gpu: --session and --bg cannot be combined")
+        labels = {"source": "%%gpu", "cell": self._cell_name().strip("<>")}
+        if os.environ.get("JPY_SESSION_NAME"):
+            labels["notebook"] = os.environ["JPY_SESSION_NAME"][-200:]
+        request["labels"] = labels
+        return {"request": request, "wait": wait, "grace": grace, "gpus": args.gpus}
+
+    def _acquire(self, opts: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        t0 = time.monotonic()
+        try:
+            lease = acquire(self.client, opts["request"], opts["wait"], f"%%gpu {opts['gpus']}")
+        except (BrokerError, BrokerUnreachable, LeaseUnavailable) as e:
+            raise UsageError(f"%%gpu: {e}") from None
+        return lease, time.monotonic() - t0
+
+    def _once(self, opts: dict[str, Any], job: Job, sinks: Any = None) -> Any:
+        lease, queued = self._acquire(opts)
+        run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
+        try:
+            worker, _warm = self.pool.take()
+            return run.run(worker, job, sinks or default_sinks(), opts["grace"])
+        finally:
+            run.end()
+
+    def _in_session(self, name: str, opts: dict[str, Any], job: Job) -> Any:
+        s = self.sessions.get(name)
+        if s is not None and not s.alive():
+            print(f"gpulease: session {name!r} ended ({s.ended_reason or 'worker gone'}); starting a new one — "
+                  "its variables are gone", file=sys.stderr)
+            self.sessions.discard(name)
+            s = None
+        if s is None:
+            lease, queued = self._acquire(opts)
+            run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
+            try:
+                worker = Worker(self.worker_python or None, list(self.preload), session=True)
+            except Exception:
+                run.end()
+                raise
+            s = Session(name, run, worker)
+            self.sessions.add(s)
+            idle = lease.get("idle_timeout_seconds") or 0
+            if idle:
+                self.heartbeater.at_most(max(0.2, idle / 4))
+            window = min(self.idle_warning_seconds, idle / 2) if idle else self.idle_warning_seconds
+            self.heartbeater.add(s.lease_id, active=False,
+                                 on_reply=lambda view, s=s: s.on_heartbeat(view, window, self._sh))
+        s.parent = self._sh.get_parent() if hasattr(self._sh, "get_parent") else None
+        s.warned = False
+        s.cells += 1
+        try:
+            return s.run.run(s.worker, job, default_sinks(), opts["grace"], single_use=False)
+        finally:
+            if not s.worker.alive():
+                self.sessions.discard(name)
+
+    def _background(self, name: str, opts: dict[str, Any], job: Job) -> None:
+        if name in self.jobs and self.jobs[name].state in ("queued", "running"):
+            raise UsageError(f"%%gpu: a background job named {name!r} is still {self.jobs[name].state}")
+        parent = self._sh.get_parent() if hasattr(self._sh, "get_parent") else None
+        entry = SimpleNamespace(name=name, state="queued", started=time.time(), lease_id=None, error=None)
+        self.jobs[name] = entry
+
+        def work() -> None:
+            tokens = self._sh.set_thread_parent(parent) if parent is not None else None
+            try:
+                entry.state = "running"
+                outcome = self._once(opts, job)
+                self._sh.user_ns.update(outcome.outputs)
+                entry.lease_id, entry.state = outcome.lease["id"], "done"
+                if self.show_summary:
+                    print(f"[{name}] " + summary_line(outcome), flush=True)
+                if outcome.value is not None:
+                    from IPython.display import display
+
+                    display(outcome.value)
+            except BaseException as e:  # report in the launching cell; never kill the kernel's thread silently
+                entry.state, entry.error = "failed", str(e)
+                text = e._render_traceback_() if hasattr(e, "_render_traceback_") else [f"{type(e).__name__}: {e}"]
+                print(f"[{name}] failed:\n" + "\n".join(text), file=sys.stderr, flush=True)
+            finally:
+                if tokens is not None:
+                    self._sh.reset_thread_parent(tokens)
+
+        threading.Thread(target=work, name=f"gpulease-bg-{name}", daemon=True).start()
+        print(f"gpulease: {name!r} runs in the background; its output appears in this cell. `%gpu jobs` lists jobs.")
+
+    # ---------------------------------------------------------------- %gpu line commands
+    def _line(self, line: str) -> Any:
+        from . import cli
+
+        words = line.split()
+        cmd, rest = (words[0], words[1:]) if words else ("status", [])
+        plain: Any = SimpleNamespace(json=False)
+        try:
+            if cmd == "status":
+                print(cli._status(self.client, plain))
+            elif cmd == "leases":
+                print(cli._leases_table(self.client.leases(ended=int(rest[0]) if rest else 0)))
+            elif cmd == "queue":
+                q = self.client.queue()
+                print(cli._queue_table(q) if q else "The queue is empty.")
+            elif cmd == "release" and rest:
+                for lease_id in rest:
+                    self.client.release(lease_id)
+                    print(f"released {lease_id}")
+            elif cmd == "sessions":
+                rows = self.sessions.rows()
+                print(table(["SESSION", "LEASE", "STATE", "CELLS", "AGE"], rows) if rows else "No sessions.")
+            elif cmd == "session" and len(rest) == 2 and rest[0] == "stop":
+                s = self.sessions.stop(rest[1])
+                print(f"session {s.name!r} stopped; lease {s.lease_id} released")
+            elif cmd == "artifacts":
+                return self._artifacts(int(rest[0]) if rest else 10)
+            elif cmd == "jobs":
+                rows = [[j.name, j.state, j.lease_id or "-", fmt_duration(time.time() - j.started), j.error or ""]
+                        for j in self.jobs.values()]
+                print(table(["JOB", "STATE", "LEASE", "AGE", "ERROR"], rows) if rows else "No background jobs.")
+            else:
+                raise UsageError(f"%gpu: unknown command {line.strip()!r}.{LINE_COMMANDS}")
+        except (BrokerError, BrokerUnreachable, KeyError, ValueError) as e:
+            raise UsageError(f"%gpu {cmd}: {e}") from None
+        return None
+
+    def _artifacts(self, limit: int) -> None:
+        items = _artifacts.recent(self._root(), limit)
+        if not items:
+            print(f"No artifacts under {self._root()} yet.")
+            return
+        rows = [[a.lease_id, a.meta.get("status"), a.meta.get("started_at", "")[:19],
+                 fmt_duration(a.meta.get("wall_seconds") or 0), a.url] for a in items]
+        print(table(["LEASE", "STATUS", "STARTED", "WALL", "WHERE"], rows))
+        print("Load one with jupyter_gpulease.artifacts.load(LEASE_ID)")
+
+    def shutdown(self) -> None:
+        self.sessions.stop_all()
+        self.pool.shutdown()
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    for n in names:
+        if not n.isidentifier():
+            raise ValueError(f"invalid variable name {n!r}")
+    return names
+
+
+GpuMagics.gpu.__doc__ = (GpuMagics.gpu.__doc__ or "") + LINE_COMMANDS
+
+_loaded: dict[int, GpuMagics] = {}
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    magics = GpuMagics(ipython)
+    if magics.hide_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    ipython.register_magics(magics)
+    _loaded[id(ipython)] = magics
+    magics.pool.fill()
+    import atexit
+
+    atexit.register(magics.shutdown)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    magics = _loaded.pop(id(ipython), None)
+    if magics is not None:
+        magics.shutdown()
+
+
+__all__ = ["GpuMagics", "load_ipython_extension", "release_quietly", "unload_ipython_extension"]

@@ -1,0 +1,211 @@
+"""Shipping values between the kernel and a worker.
+
+Everything goes in one cloudpickle call (shared references survive; functions and
+classes defined in the notebook travel by value). Large buffers (numpy, pandas,
+tensors: anything that supports pickle protocol 5) travel out of band: they are
+written once to a file in /dev/shm and mapped back copy-on-write on the other side,
+so a gigabyte array is never pushed through a pipe.
+
+Both ends import this module; it must stay free of IPython imports.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import struct
+import sys
+import tempfile
+import uuid
+from typing import IO, Any
+
+import cloudpickle
+
+# Buffers smaller than this stay in-band: a file per small array costs more than it saves.
+OOB_MIN_BYTES = 1 << 20
+_HEADER = struct.Struct("!Q")
+
+
+class TransferError(Exception):
+    """A value could not be sent; the message names it."""
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": ".".join(str(v) for v in sys.version_info[:3]),
+        "cloudpickle": cloudpickle.__version__,
+    }
+
+
+def check_versions(mine: dict[str, str], theirs: dict[str, str]) -> None:
+    """Pickles only travel between matching Python and cloudpickle versions: say so clearly."""
+    for key in ("python", "cloudpickle"):
+        a, b = mine.get(key, "?"), theirs.get(key, "?")
+        if key == "python":
+            a, b = a.rsplit(".", 1)[0], b.rsplit(".", 1)[0]  # patch releases pickle alike
+        if a != b:
+            raise TransferError(
+                f"The GPU worker runs {key} {theirs.get(key)} but this kernel runs {mine.get(key)}: values "
+                f"cannot be exchanged. Point GpuMagics.worker_python at an interpreter with the same versions."
+            )
+
+
+def shm_dir() -> str:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, but tensors on a device come back to the CPU first (the kernel has no GPU)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return _identity, (obj.detach().cpu(),)
+        return super().reducer_override(obj)
+
+
+def dumps(value: Any, directory: str | None = None) -> dict[str, Any]:
+    """Pickle ``value``; buffers of at least OOB_MIN_BYTES go to one file in ``directory``.
+
+    Returns a small, plainly picklable dict: ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``.
+    """
+    big: list[pickle.PickleBuffer] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes >= OOB_MIN_BYTES:
+            big.append(buf)
+            return False  # out of band
+        return True  # serialise in band
+
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=keep).dump(value)
+    out: dict[str, Any] = {"data": f.getvalue(), "file": None, "spans": []}
+    if big:
+        path = os.path.join(directory or shm_dir(), f"gpulease-{uuid.uuid4().hex}.buf")
+        spans = []
+        with open(path, "wb") as fh:
+            off = 0
+            for b in big:
+                raw = b.raw()
+                fh.write(raw)
+                spans.append((off, raw.nbytes))
+                off += raw.nbytes
+        out["file"], out["spans"] = path, spans
+    return out
+
+
+def loads(packed: dict[str, Any]) -> Any:
+    """The inverse of dumps. The buffer file is mapped copy-on-write and removed at once."""
+    buffers: list[memoryview] = []
+    path = packed.get("file")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        finally:
+            discard(packed)
+        view = memoryview(mm) if mm is not None else memoryview(b"")
+        buffers = [view[off : off + n] for off, n in packed["spans"]]
+    return pickle.loads(packed["data"], buffers=buffers)
+
+
+def discard(packed: dict[str, Any] | None) -> None:
+    if packed and packed.get("file"):
+        try:
+            os.unlink(packed["file"])
+        except FileNotFoundError:
+            pass
+
+
+def dumps_named(values: dict[str, Any], directory: str | None = None) -> dict[str, Any]:
+    """dumps() a dict of named values; on failure, find and name the culprit."""
+    try:
+        return dumps(values, directory)
+    except Exception as e:
+        for name, v in values.items():
+            try:
+                cloudpickle.dumps(v, protocol=5)
+            except Exception as inner:
+                raise TransferError(
+                    f"Cannot send {name!r} (type {type(v).__module__}.{type(v).__qualname__}): {inner}. "
+                    "Leave it out, or send something picklable that rebuilds it."
+                ) from None
+        raise TransferError(f"Cannot send values {sorted(values)}: {e}") from None
+
+
+def approx_size(value: Any, limit: int) -> int:
+    """A cheap upper-ish estimate of a value's payload, to guard --in auto against huge captures."""
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    memory_usage = getattr(value, "memory_usage", None)  # pandas
+    if callable(memory_usage):
+        try:
+            total = memory_usage(deep=False)
+            return int(getattr(total, "sum", lambda: total)())
+        except Exception:
+            pass
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, (list, tuple, dict, set)) and len(value) > 0:
+        items = list(value.values()) if isinstance(value, dict) else list(value)
+        sample = items[:100]
+        per = sum(approx_size(v, limit) for v in sample) / len(sample)
+        return int(per * len(items))
+    return sys.getsizeof(value)
+
+
+# ---------------------------------------------------------------- framing on pipes
+def send(stream: IO[bytes], msg: Any) -> None:
+    data = pickle.dumps(msg, protocol=5)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def recv(stream: IO[bytes]) -> Any:
+    """One message, or None at end of stream."""
+    head = _read_exact(stream, _HEADER.size)
+    if head is None:
+        return None
+    (n,) = _HEADER.unpack(head)
+    body = _read_exact(stream, n)
+    if body is None:
+        return None
+    return pickle.loads(body)
+
+
+def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
+    chunks = []
+    while n:
+        b = stream.read(n)
+        if not b:
+            return None
+        chunks.append(b)
+        n -= len(b)
+    return b"".join(chunks)
+
+
+class FrameReader:
+    """Incremental decoder for non-blocking reads (the kernel side's select loop)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self.buf += data
+        out = []
+        while len(self.buf) >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(self.buf)
+            if len(self.buf) < _HEADER.size + n:
+                break
+            out.append(pickle.loads(bytes(self.buf[_HEADER.size : _HEADER.size + n])))
+            del self.buf[: _HEADER.size + n]
+        return out

@@ -1,0 +1,164 @@
+"""The GPU worker: a plain Python process that runs one ``%%gpu`` cell (or, for a
+``--session``, several) with only the leased GPUs visible.
+
+Started by the kernel as ``python -m jupyter_gpulease.worker [--session] [--preload a,b]``:
+- stdin carries framed messages from the kernel (jobs). It is also the lifeline: when
+  the kernel dies the pipe closes and the worker kills its own process group.
+- the file descriptor named by ``GPULEASE_CTRL_FD`` carries framed messages back
+  (ready, result); stdout and stderr are plain pipes the kernel forwards live.
+
+The worker never imports IPython: it starts fast, and a warm one waits with only the
+configured modules imported (never CUDA initialised) until a lease arrives.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import IO, Any
+
+from . import transfer
+
+_THIS_FILE = os.path.abspath(__file__).rstrip("c")
+
+
+def _kill_own_group() -> None:
+    try:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _lifeline(stdin: IO[bytes], jobs: queue.Queue[Any]) -> None:
+    """Read jobs; when the kernel is gone (EOF), take down this worker and its children."""
+    while True:
+        try:
+            msg = transfer.recv(stdin)
+        except Exception:
+            msg = None
+        if msg is None:
+            _kill_own_group()
+        jobs.put(msg)
+
+
+def _strip_own_frames(tb: Any) -> Any:
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).rstrip("c") == _THIS_FILE:
+        tb = tb.tb_next
+    return tb
+
+
+def _compile_cell(code: str, name: str, want_value: bool, header: str = "") -> tuple[Any, Any]:
+    """The cell's statements and, like IPython, its last expression separately (unless it ends with ';').
+
+    ``header`` is the cell's magic line: the code is numbered after it, as the notebook shows it.
+    """
+    source = ("\n" if header else "") + code
+    lines = ([header.rstrip("\n") + "\n"] if header else []) + code.splitlines(keepends=True)
+    linecache.cache[name] = (len(source), None, lines, name)
+    tree = ast.parse(source, filename=name, mode="exec")
+    last = None
+    if want_value and tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+        last = compile(ast.Expression(tree.body.pop().value), name, "eval")  # type: ignore[attr-defined]
+    return compile(tree, name, "exec"), last
+
+
+def _prepare(job: dict[str, Any]) -> None:
+    os.environ.update(job.get("env") or {})
+    if job.get("cwd"):
+        try:
+            os.chdir(job["cwd"])
+        except OSError:
+            pass
+    for p in reversed(job.get("sys_path") or []):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def run_job(job: dict[str, Any], ns: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        _prepare(job)
+        if job.get("inputs") is not None:
+            ns.update(transfer.loads(job["inputs"]))
+        value: Any = None
+        if job["kind"] == "call":
+            fn, args, kwargs = ns.pop("__gpulease_call__")
+            value = fn(*args, **kwargs)
+        else:
+            body, last = _compile_cell(job["code"], job["cell_name"], job.get("want_value", True),
+                                       job.get("header", ""))
+            exec(body, ns)
+            if last is not None:
+                value = eval(last, ns)
+        missing = [n for n in job.get("out", []) if n not in ns]
+        if missing:
+            raise NameError(f"--out names the cell did not define: {', '.join(missing)}")
+        outputs = {n: ns[n] for n in job.get("out", [])}
+        packed = transfer.dumps_named({"outputs": outputs, "value": value}, job.get("oob_dir"))
+        return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started}
+    except BaseException as e:  # the user's error, KeyboardInterrupt included: report, never crash
+        tb = _strip_own_frames(e.__traceback__)
+        text = "".join(traceback.format_exception(type(e), e, tb))
+        return {
+            "type": "result",
+            "status": "error",
+            "ename": type(e).__name__,
+            "evalue": str(e),
+            "traceback": text,
+            "elapsed": time.monotonic() - started,
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    session = "--session" in argv
+    preload: list[str] = []
+    if "--preload" in argv:
+        preload = [m for m in argv[argv.index("--preload") + 1].split(",") if m]
+    ctrl_fd = int(os.environ.pop("GPULEASE_CTRL_FD"))
+    os.set_inheritable(ctrl_fd, False)
+    ctrl = os.fdopen(ctrl_fd, "wb", buffering=0)
+    # stdin is the control pipe: keep it private, give user code (and its children) /dev/null
+    stdin = os.fdopen(os.dup(0), "rb", buffering=0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    failed = {}
+    for mod in preload:
+        try:
+            __import__(mod)
+        except Exception as e:  # a missing optional module must not stop the worker
+            failed[mod] = f"{type(e).__name__}: {e}"
+    jobs: queue.Queue[Any] = queue.Queue()
+    threading.Thread(target=_lifeline, args=(stdin, jobs), name="gpulease-lifeline", daemon=True).start()
+    transfer.send(ctrl, {"type": "ready", "pid": os.getpid(), "versions": transfer.versions(), "preload_failed": failed})
+    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    while True:
+        job = jobs.get()
+        if job.get("type") == "stop":
+            break
+        result = run_job(job, ns)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        transfer.send(ctrl, result)
+        if not session:
+            # hand the result over first, then leave without interpreter teardown: the GPU
+            # memory is freed the moment the process is gone
+            os._exit(0 if result["status"] == "ok" else 1)
+        if job.get("kind") == "cell":
+            ns.pop("__gpulease_call__", None)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
