@@ -169,8 +169,10 @@ class LeaseRun:
 
         return Sinks(tee(sinks.out), tee(sinks.err))
 
-    def run(self, worker: Worker, job: Job, sinks: Sinks, grace: float, single_use: bool = True) -> Outcome:
-        """Run ``job`` on ``worker`` (already started); a single-use worker is reaped here."""
+    def run(self, worker: Worker, job: Job, sinks: Sinks, grace: float, single_use: bool = True,
+            release: bool = True) -> Outcome:
+        """Run ``job`` on ``worker`` (already started); a single-use worker is reaped here and, with
+        ``release``, the lease given back the moment it is gone."""
         self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
         self.client.attach(self.lease["id"], worker.pid)
         self.heartbeater.set_active(self.lease["id"], True)
@@ -192,7 +194,7 @@ class LeaseRun:
                 outcome.exit_status = self.exit_status = worker.wait_exit()
             self.status = "ok" if result["status"] == "ok" else "error"
             outcome.wall = time.monotonic() - t0
-            if single_use:
+            if single_use and release:
                 self.end()  # release as soon as the worker is gone, before unpacking results
             finish_result(result, outcome)
             return outcome

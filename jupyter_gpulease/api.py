@@ -1,0 +1,167 @@
+"""The Python API, for code outside magics.
+
+    with jupyter_gpulease.lease(2) as lease:          # a lease you hold for a block
+        result = lease.run(train, config)             # runs train(config) in a worker on those GPUs
+
+    @jupyter_gpulease.on_gpu(1, time="30m")           # HopsML's experiment.launch shape
+    def train(lr): ...
+    train(0.1)                                        # leases, runs in a worker, releases
+
+    results = jupyter_gpulease.map(train, [0.1, 0.01, 0.001], gpus_per_call=1, max_gpus=4)
+
+``map`` asks for one lease per call, at most ``max_gpus`` GPUs at a time: it starts with
+what is free and runs more trials as GPUs free up. Results come back in input order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import artifacts as _artifacts
+from .cellrun import Job, LeaseRun, Sinks, default_sinks
+from .client import BrokerClient
+from .leasing import Heartbeater, acquire, duration, gpus_spec, size
+from .runner import Worker
+
+_heartbeaters: dict[str, Heartbeater] = {}
+_lock = threading.Lock()
+
+
+def _heartbeater(client: BrokerClient) -> Heartbeater:
+    with _lock:
+        hb = _heartbeaters.get(client.url)
+        if hb is None:
+            hb = _heartbeaters[client.url] = Heartbeater(BrokerClient(client.url, client.token))
+        return hb
+
+
+def _request(gpus: Any, time_limit: str | float | None, idle: str | float | None, mem: str | int | None,
+             priority: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
+    req: dict[str, Any] = {"gpus": gpus_spec(str(gpus)), "heartbeat": True, "labels": labels or {"source": "api"}}
+    if time_limit is not None:
+        req["duration_seconds"] = duration(str(time_limit), "time")
+    if idle is not None:
+        req["idle_timeout_seconds"] = duration(str(idle), "idle")
+    if mem is not None:
+        req["mem"] = size(str(mem), "mem")
+    if priority:
+        req["priority"] = priority
+    return req
+
+
+class Lease:
+    """A granted lease: its ``id``, ``devices``, ``env``; ``run(fn, ...)`` runs a function on it."""
+
+    def __init__(self, run: LeaseRun, grace: float = 5.0) -> None:
+        self._run, self.grace = run, grace
+        self.info = run.lease
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    @property
+    def devices(self) -> list[dict[str, Any]]:
+        return list(self.info.get("devices") or [])
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self._run.env()
+
+    @property
+    def artifacts(self) -> str:
+        return self._run.artifacts.display_path
+
+    def run(self, fn: Callable[..., Any], *args: Any, _sinks: Sinks | None = None, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in a fresh worker that sees only this lease's GPUs; return its result."""
+        if self._run.status == "ended":
+            raise RuntimeError(f"Lease {self.id} has been released")
+        job = Job("call", code=getattr(fn, "__qualname__", repr(fn)), inputs={"__gpulease_call__": (fn, args, kwargs)})
+        outcome = self._run.run(Worker(), job, _sinks or default_sinks(), self.grace, single_use=True, release=False)
+        return outcome.value
+
+    def release(self) -> None:
+        self._run.end()
+
+    def __repr__(self) -> str:
+        devs = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in self.devices)
+        return f"<Lease {self.id} [{devs}] {self._run.status}>"
+
+
+@contextlib.contextmanager
+def lease(gpus: int | str | float = 1, *, time: str | float | None = None, idle: str | float | None = None,
+          mem: str | int | None = None, priority: str | None = None, wait: str | float | None = None,
+          broker: str | None = None, artifact_root: str | None = None) -> Iterator[Lease]:
+    """Hold a lease for a block; released when the block ends, however it ends."""
+    client = BrokerClient(broker)
+    req = _request(gpus, time, idle, mem, priority, None)
+    t0 = _now()
+    granted = acquire(client, req, duration(str(wait), "wait") if wait is not None else None, f"lease({gpus})")
+    run = LeaseRun(client, _heartbeater(client), granted, artifact_root or _artifacts.default_root(), _now() - t0)
+    held = Lease(run)
+    try:
+        yield held
+    finally:
+        held.release()
+
+
+def on_gpu(gpus: int | str | float = 1, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: each call leases ``gpus``, runs the function in a worker on them, and releases."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lease(gpus, **options) as held:
+                return held.run(fn, *args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def map(fn: Callable[[Any], Any], params: Iterable[Any], gpus_per_call: int = 1, max_gpus: int = 4,
+        **options: Any) -> list[Any]:
+    """``[fn(p) for p in params]``, each call on its own lease, up to ``max_gpus`` GPUs at once.
+
+    Calls start as GPUs are granted, so the search uses what is free now and more as GPUs free up.
+    A failed call raises its error after the others finished (the others' results are not lost:
+    see the exception's ``results``).
+    """
+    items = list(params)
+    slots = max(1, max_gpus // max(1, gpus_per_call))
+    results: list[Any] = [None] * len(items)
+    errors: dict[int, BaseException] = {}
+
+    def one(i: int) -> None:
+        def prefixed(stream: Any) -> Callable[[str], None]:
+            def write(text: str) -> None:
+                stream.write("".join(f"[{i}] {line}" for line in text.splitlines(keepends=True)))
+                stream.flush()
+
+            return write
+
+        try:
+            with lease(gpus_per_call, **options) as held:
+                results[i] = held.run(fn, items[i], _sinks=Sinks(prefixed(sys.stdout), prefixed(sys.stderr)))
+        except BaseException as e:  # collected and raised once every call has finished
+            errors[i] = e
+
+    with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="gpulease-map") as pool:
+        list(pool.map(one, range(len(items))))
+    if errors:
+        first = min(errors)
+        err = errors[first]
+        err.results = results  # type: ignore[attr-defined]
+        raise err
+    return results
+
+
+def _now() -> float:
+    return time.monotonic()
