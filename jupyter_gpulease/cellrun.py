@@ -11,18 +11,23 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import transfer
 from .artifacts import ArtifactDir, now_iso
-from .client import BrokerClient
+from .client import BrokerClient, BrokerError
 from .leasing import Heartbeater, release_quietly
 from .runner import Worker, WorkerCrashed
 
 Sink = Callable[[str], None]
+
+# Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
+_IO = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpulease-io")
 
 
 class CellError(Exception):
@@ -122,8 +127,9 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float) -> di
                 raise KeyboardInterrupt
             result = worker.poll(0.5, sinks.out, sinks.err)
             if result is not None:
-                if worker.ready is not None:
-                    transfer.check_versions(transfer.versions(), worker.ready["versions"])
+                theirs = result.get("versions") or (worker.ready or {}).get("versions")
+                if theirs:
+                    transfer.check_versions(transfer.versions(), theirs)
                 return result
         except KeyboardInterrupt:
             if interrupted_at is not None:
@@ -154,6 +160,11 @@ class LeaseRun:
         self.code_hashes: list[str] = []
         self.exit_status: int | None = None
         self.status = "running"
+        self._pending: list[Future[None]] = []
+        self._attached: set[int] = set()
+        self._reapers: list[threading.Thread] = []
+        self._auto_end = False
+        self._end_lock = threading.Lock()
         heartbeater.add(lease["id"], active=True)
 
     def env(self) -> dict[str, str]:
@@ -171,48 +182,91 @@ class LeaseRun:
 
     def run(self, worker: Worker, job: Job, sinks: Sinks, grace: float, single_use: bool = True,
             release: bool = True) -> Outcome:
-        """Run ``job`` on ``worker`` (already started); a single-use worker is reaped here and, with
-        ``release``, the lease given back the moment it is gone."""
+        """Run ``job`` on ``worker`` (already started).
+
+        The result is handed back as soon as the worker sends it; a single-use worker is then
+        reaped off the critical path and, with ``release``, the lease given back the moment the
+        process is gone (that is when its GPU memory is free).
+        """
         self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
-        self.client.attach(self.lease["id"], worker.pid)
+        self.status = "running"
+        if worker.pid not in self._attached:
+            self._attached.add(worker.pid)
+            self._pending.append(_IO.submit(self._attach, worker))  # in flight while the job starts
         self.heartbeater.set_active(self.lease["id"], True)
         oob_dir = transfer.shm_dir()
         outcome = Outcome(self.lease, queued=self.queued, artifacts=self.artifacts.display_path)
         t0 = time.monotonic()
         msg: dict[str, Any] | None = None
+        reaped = False
         try:
             msg = job_message(job, self.env(), oob_dir)
             try:
                 result = drive(worker, msg, self.logging_sinks(sinks), grace)
             except WorkerCrashed as e:
                 self.status = "crashed"
+                self.exit_status = e.status
                 raise cell_error("WorkerCrashed", str(e), f"WorkerCrashed: {e}") from None
             except KeyboardInterrupt:
                 self.status = "interrupted"
                 raise
-            if single_use:
-                outcome.exit_status = self.exit_status = worker.wait_exit()
             self.status = "ok" if result["status"] == "ok" else "error"
             outcome.wall = time.monotonic() - t0
-            if single_use and release:
-                self.end()  # release as soon as the worker is gone, before unpacking results
+            if single_use:
+                self._reap(worker, release)
+                reaped = True
             finish_result(result, outcome)
             return outcome
         finally:
             if msg is not None:
                 transfer.discard(msg.get("inputs"))
-            if single_use:
+            if single_use and not reaped:
                 if worker.alive():
                     worker.kill(0.5)
+                self.exit_status = worker.proc.returncode
                 worker.close()
-            else:
+            elif not single_use:
                 self.heartbeater.set_active(self.lease["id"], False)
 
-    def end(self, reason: str = "released") -> None:
-        """Release the lease (idempotent) and write meta.json."""
-        if self.status == "ended":
-            return
-        status, self.status = self.status, "ended"
+    def _attach(self, worker: Worker) -> None:
+        try:
+            self.client.attach(self.lease["id"], worker.pid)
+        except Exception as e:
+            finished = self.status != "running" or worker.proc.returncode is not None
+            if finished or (isinstance(e, BrokerError) and e.status in (404, 409)):
+                return  # the worker (or the lease) is already gone: nothing left to attach
+            print(f"gpulease: could not attach worker {worker.pid} to lease {self.lease['id']}: {e}", file=sys.stderr)
+
+    def _reap(self, worker: Worker, then_end: bool) -> None:
+        def reap() -> None:
+            try:
+                self.exit_status = worker.wait_exit()
+                worker.close()
+            finally:
+                if then_end:
+                    self.end(from_reaper=True)
+
+        if then_end:
+            self._auto_end = True
+        t = threading.Thread(target=reap, name="gpulease-reaper", daemon=True)
+        self._reapers.append(t)
+        t.start()
+
+    def end(self, reason: str = "released", *, from_reaper: bool = False) -> None:
+        """Release the lease (idempotent, after its workers are gone) and write meta.json."""
+        with self._end_lock:
+            if self.status == "ended" or (self._auto_end and not from_reaper):
+                return  # already ended, or the reaper ends it the moment the worker is gone
+            me = threading.current_thread()
+            for t in self._reapers:
+                if t is not me:
+                    t.join(30)
+            for f in self._pending:
+                try:
+                    f.result(10)
+                except Exception:
+                    pass
+            status, self.status = self.status, "ended"
         self.heartbeater.remove(self.lease["id"])
         release_quietly(self.client, self.lease["id"], reason)
         meta = {

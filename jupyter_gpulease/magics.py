@@ -17,7 +17,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Int, List, Unicode
+from traitlets import Bool, Float, Int, List, Unicode, observe
 
 from . import artifacts as _artifacts
 from .cellcode import check_plain_python, select_inputs
@@ -47,9 +47,10 @@ class GpuMagics(Magics):
         "(e.g. s3://bucket/gpulease). Empty: $GPULEASE_ARTIFACT_ROOT, else ~/gpulease-artifacts.",
     )
     preload = List(
-        Unicode(), [], config=True,
+        Unicode(), ["numpy"], config=True,
         help="Modules the warm worker imports before a lease arrives (import only: CUDA is never "
-        "initialised before the lease). Example: ['numpy', 'torch'].",
+        "initialised before the lease; a module that is not installed is skipped). "
+        "Example: ['numpy', 'torch']. [] starts workers with nothing extra.",
     )
     warm_workers = Int(1, config=True, help="Pre-started single-use workers to keep ready (0: start one per cell).")
     worker_python = Unicode(
@@ -89,6 +90,14 @@ class GpuMagics(Magics):
         self.pool = WarmPool(self.worker_python or None, list(self.preload), self.warm_workers)
         self.sessions = Sessions()
         self.jobs: dict[str, SimpleNamespace] = {}
+
+    @observe("warm_workers", "preload", "worker_python")
+    def _pool_changed(self, change: Any) -> None:
+        pool = getattr(self, "pool", None)
+        if pool is not None:  # `%config GpuMagics.warm_workers = 0` takes effect at once
+            pool.shutdown()
+            pool.python, pool.preload, pool.size = self.worker_python or None, list(self.preload), self.warm_workers
+            pool.fill()
 
     # ---------------------------------------------------------------- plumbing
     @property

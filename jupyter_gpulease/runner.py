@@ -223,7 +223,7 @@ class WarmPool:
                     return w, True
                 w.close()
         self._refill_later()
-        return Worker(self.python, self.preload), False
+        return Worker(self.python), False  # cold: nothing preloaded on the critical path
 
     def _refill_later(self) -> None:
         if self.size <= 0 or self._filling:

@@ -17,11 +17,10 @@ import os
 import pickle
 import struct
 import sys
-import tempfile
-import uuid
 from typing import IO, Any
 
-import cloudpickle
+# cloudpickle is imported only when needed: a cold worker that runs a plain cell starts faster,
+# and unpickling what cloudpickle wrote imports it by itself.
 
 # Buffers smaller than this stay in-band: a file per small array costs more than it saves.
 OOB_MIN_BYTES = 1 << 20
@@ -33,16 +32,20 @@ class TransferError(Exception):
 
 
 def versions() -> dict[str, str]:
-    return {
-        "python": ".".join(str(v) for v in sys.version_info[:3]),
-        "cloudpickle": cloudpickle.__version__,
-    }
+    """Python's version, and cloudpickle's if this process has loaded it."""
+    out = {"python": ".".join(str(v) for v in sys.version_info[:3])}
+    cp = sys.modules.get("cloudpickle")
+    if cp is not None:
+        out["cloudpickle"] = cp.__version__
+    return out
 
 
 def check_versions(mine: dict[str, str], theirs: dict[str, str]) -> None:
     """Pickles only travel between matching Python and cloudpickle versions: say so clearly."""
     for key in ("python", "cloudpickle"):
-        a, b = mine.get(key, "?"), theirs.get(key, "?")
+        if key not in mine or key not in theirs:
+            continue
+        a, b = mine[key], theirs[key]
         if key == "python":
             a, b = a.rsplit(".", 1)[0], b.rsplit(".", 1)[0]  # patch releases pickle alike
         if a != b:
@@ -54,27 +57,67 @@ def check_versions(mine: dict[str, str], theirs: dict[str, str]) -> None:
 
 def shm_dir() -> str:
     d = "/dev/shm"
-    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+    if os.path.isdir(d) and os.access(d, os.W_OK):
+        return d
+    import tempfile
+
+    return tempfile.gettempdir()
 
 
 def _identity(x: Any) -> Any:
     return x
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, but tensors on a device come back to the CPU first (the kernel has no GPU)."""
+def _to_cpu(obj: Any) -> Any:
+    """A reduction that brings a tensor on a device back to the CPU first (the kernel has no GPU)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        return _identity, (obj.detach().cpu(),)
+    return NotImplemented
+
+
+_PICKLER: Any = None
+
+
+def _pickler_class() -> Any:
+    global _PICKLER
+    if _PICKLER is None:
+        import cloudpickle
+
+        class _Pickler(cloudpickle.Pickler):
+            """cloudpickle (notebook functions and classes by value) with tensors moved to the CPU."""
+
+            def reducer_override(self, obj: Any) -> Any:
+                reduced = _to_cpu(obj)
+                return super().reducer_override(obj) if reduced is NotImplemented else reduced
+
+        _PICKLER = _Pickler
+    return _PICKLER
+
+
+class _PlainPickler(pickle.Pickler):
+    """The standard pickler (no cloudpickle import) with tensors moved to the CPU."""
 
     def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            return _identity, (obj.detach().cpu(),)
-        return super().reducer_override(obj)
+        return _to_cpu(obj)
+
+
+def _trivial(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(value, (list, tuple)) and len(value) < 64:
+        return all(_trivial(v) for v in value)
+    if isinstance(value, dict) and len(value) < 64:
+        return all(isinstance(k, str) and _trivial(v) for k, v in value.items())
+    return False
 
 
 def dumps(value: Any, directory: str | None = None) -> dict[str, Any]:
     """Pickle ``value``; buffers of at least OOB_MIN_BYTES go to one file in ``directory``.
 
-    Returns a small, plainly picklable dict: ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``.
+    Plain data uses the standard pickler; anything else cloudpickle (by value for what the
+    notebook or the cell defined). Returns a small, plainly picklable dict:
+    ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``.
     """
     big: list[pickle.PickleBuffer] = []
 
@@ -85,10 +128,11 @@ def dumps(value: Any, directory: str | None = None) -> dict[str, Any]:
         return True  # serialise in band
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=keep).dump(value)
+    pickler = _PlainPickler if _trivial(value) else _pickler_class()
+    pickler(f, protocol=5, buffer_callback=keep).dump(value)
     out: dict[str, Any] = {"data": f.getvalue(), "file": None, "spans": []}
     if big:
-        path = os.path.join(directory or shm_dir(), f"gpulease-{uuid.uuid4().hex}.buf")
+        path = os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
         spans = []
         with open(path, "wb") as fh:
             off = 0
@@ -130,6 +174,8 @@ def dumps_named(values: dict[str, Any], directory: str | None = None) -> dict[st
     try:
         return dumps(values, directory)
     except Exception as e:
+        import cloudpickle
+
         for name, v in values.items():
             try:
                 cloudpickle.dumps(v, protocol=5)

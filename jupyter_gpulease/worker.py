@@ -102,7 +102,8 @@ def run_job(job: dict[str, Any], ns: dict[str, Any]) -> dict[str, Any]:
             raise NameError(f"--out names the cell did not define: {', '.join(missing)}")
         outputs = {n: ns[n] for n in job.get("out", [])}
         packed = transfer.dumps_named({"outputs": outputs, "value": value}, job.get("oob_dir"))
-        return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started}
+        return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started,
+                "versions": transfer.versions()}
     except BaseException as e:  # the user's error, KeyboardInterrupt included: report, never crash
         tb = _strip_own_frames(e.__traceback__)
         text = "".join(traceback.format_exception(type(e), e, tb))

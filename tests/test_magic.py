@@ -88,7 +88,7 @@ def test_training_cell_with_in_out_and_streamed_output_then_kernel_cell(kernel: 
     # the kernel got the outputs, and holds no GPU for the next (plotting) cell
     r2 = kernel.run("import os\nprint(w.tolist(), history, repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
     assert r2.stdout.strip() == "[3.0, 3.0, 3.0] [3.0, 6.0, 9.0] ''"
-    assert _holding(client) == []
+    _wait_for(lambda: _holding(client) == [], 5, "the lease to be released")
 
 
 def test_out_of_band_transfer_of_large_arrays(kernel: Kernel) -> None:
@@ -121,7 +121,7 @@ def test_error_shows_the_cells_own_traceback(kernel: Kernel, client) -> None:
     # line numbers as the notebook editor shows them (line 1 is the %%gpu line)
     assert "<gpu In[" in tb and "line 6, in <module>" in tb and "line 5, in f" in tb and "return 1 / 0" in tb
     assert "worker.py" not in tb and "magics.py" not in tb and "cellrun.py" not in tb
-    assert _holding(client) == []  # released after the error too
+    _wait_for(lambda: _holding(client) == [], 5, "the lease to be released")  # released after the error too
     r = kernel.run("%%gpu\nout = 'x' * 3\nout\n")
     assert r.status == "ok" and r.result == "'xxx'"
 
@@ -153,7 +153,7 @@ def test_interrupt_stops_the_worker_and_releases(kernel: Kernel, client) -> None
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
     assert "time.sleep(0.05)" in "\n".join(r.error["traceback"])  # the worker's own traceback
     _wait_for(lambda: not _alive(pid), 5, "worker exit")
-    assert client.lease(lease_id)["state"] == "released"
+    _wait_for(lambda: client.lease(lease_id)["state"] == "released", 5, "release")
     assert kernel.run("print('still usable')").stdout == "still usable\n"
 
 
@@ -205,7 +205,7 @@ def test_session_keeps_its_worker_and_is_revoked_when_idle(broker_factory, kerne
     warnings = [m for m in k.stray if m["msg_type"] == "stream" and "will be revoked" in m["content"]["text"]]
     assert warnings, "the idle warning should reach the session's cell"
     k.run("%gpu session stop m")
-    assert _holding(c) == []
+    _wait_for(lambda: _holding(c) == [], 5, "the session lease to be released")
 
 
 def test_background_output_lands_in_its_own_cell(kernel: Kernel, client) -> None:
@@ -228,6 +228,7 @@ def test_artifacts_are_written_and_load_back(kernel: Kernel, tmp_path: Path) -> 
     assert r.status == "ok", r.outputs
     lease_id = r.stdout.split("gpulease: lease ")[1].split()[0]
     d = tmp_path / "artifacts" / lease_id
+    _wait_for(lambda: (d / "meta.json").exists(), 5, "meta.json")
     meta = json.loads((d / "meta.json").read_text())
     assert meta["lease_id"] == lease_id and meta["status"] == "ok" and meta["exit_status"] == 0
     assert meta["devices"] and len(meta["code_sha256"]) == 1
@@ -242,7 +243,7 @@ def test_worker_crash_is_a_clear_error_and_releases(kernel: Kernel, client) -> N
     r = kernel.run("%%gpu\nimport os, sys\nprint('about to crash', file=sys.stderr, flush=True)\nos.abort()")
     assert r.status == "error" and r.error is not None and r.error["ename"] == "WorkerCrashed"
     assert "SIGABRT" in r.error["evalue"] and "about to crash" in r.error["evalue"]
-    assert _holding(client) == []
+    _wait_for(lambda: _holding(client) == [], 5, "the lease to be released")
     r = kernel.run("%%gpu\nimport sys\nsys.exit(3)")
     assert r.error is not None and r.error["ename"] == "SystemExit"
 
