@@ -19,6 +19,7 @@ from .clock import Clock
 from .errors import LeaseError
 from .identity import hash_secret, new_token
 from .inventory import Inventory, inventory_class
+from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager import LeaseManager
 from .policy import LeasePolicy
@@ -27,7 +28,13 @@ from .store import Store
 
 
 def _nvidia_driver_present() -> bool:
-    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+    if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl"):
+        return True
+    try:  # a driver library without device files (containers, tests with a fake libnvidia-ml)
+        from .inventory.nvml import nvml_loadable
+    except ImportError:
+        return False
+    return nvml_loadable() is None
 
 
 class TokenApp(Application):
@@ -57,7 +64,7 @@ class LeaseBroker(Application):
     version = __version__
     description = "Lease GPUs to notebook cells: a broker that queues requests and grants time-limited leases."
     examples = "lease-broker --inventory=simulated --gpus=4\nlease-broker --generate-config"
-    classes = [LeasePolicy, SimulatedInventory]
+    classes = [LeasePolicy, SimulatedInventory, NVMLInventory]
 
     inventory_name = Unicode(
         "auto",

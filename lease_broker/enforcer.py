@@ -11,8 +11,9 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
+from .gpuwatch import GpuWatch
 from .lease import HOLDING, Lease, LeaseState
-from .procs import proc_info, signal_group
+from .procs import children_map, proc_info, signal_group
 
 if TYPE_CHECKING:
     from .manager import LeaseManager
@@ -28,7 +29,7 @@ class Enforcer:
         self.unhealthy: dict[str, str] = {}  # gpu -> why
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
         self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
-        self.drain_timeout = 60.0
+        self.watch = GpuWatch(manager)
 
     # ---------------------------------------------------------------- processes
     def remember(self, lease_id: str, pids: dict[int, int]) -> None:
@@ -40,6 +41,8 @@ class Enforcer:
         self.warned.pop(lease.id, None)
         alive = {p: t for p, t in pids.items() if _alive(p, t)}
         now = self.m.clock.now()
+        # the GPU is clean only when the descendants are gone too (they may have left the process group)
+        drain_pids = sorted(set(pids) | _descendants(list(alive)))
         if alive:
             for pid, ticks in alive.items():
                 if signal_group(pid, ticks, signal.SIGTERM):
@@ -47,11 +50,11 @@ class Enforcer:
             self.kills[lease.id] = (now + self.m.policy.term_timeout, alive)
         devices = list(lease.devices)
         samples = self.m.samples
-        dirty = [d for d in devices if alive or not self.m.inventory.is_drained(d, list(pids), samples)]
+        dirty = [d for d in devices if alive or not self.m.inventory.is_drained(d, drain_pids, samples)]
         if dirty:
             for d in dirty:
-                self.draining[d] = (lease.id, now, list(pids))
-            self.m.store.drain(dirty, lease.id, list(pids), now)
+                self.draining[d] = (lease.id, now, drain_pids)
+            self.m.store.drain(dirty, lease.id, drain_pids, now)
         self.m.store.detach_all(lease.id)
 
     def restore_drains(self, drains: dict[str, tuple[str, float, list[int]]]) -> None:
@@ -65,13 +68,14 @@ class Enforcer:
     @property
     def busy(self) -> bool:
         """Whether something needs a fast poll (a kill pending or a GPU draining)."""
-        return bool(self.kills or self.draining)
+        return bool(self.kills or self.draining or self.watch.busy)
 
     # ---------------------------------------------------------------- time
     def tick(self, now: float) -> None:
         m = self.m
         pol = m.policy
         self._escalate(now)
+        self.watch.check(now)
         self._drain(now)
         for lease in list(m.leases.values()):
             if lease.state not in HOLDING:
@@ -134,7 +138,7 @@ class Enforcer:
                 self.m.store.drained(gpu_id)
                 freed.append(gpu_id)
                 log.info("GPU %s drained after lease %s (%.2f s)", gpu_id, lease_id, now - since)
-            elif now - since > max(self.drain_timeout, 2 * self.m.policy.term_timeout):
+            elif now - since > max(self.m.policy.drain_timeout, 2 * self.m.policy.term_timeout):
                 del self.draining[gpu_id]
                 self.m.store.drained(gpu_id)
                 self.unhealthy[gpu_id] = f"processes of lease {lease_id} still on it after {now - since:.0f} s"
@@ -148,3 +152,17 @@ class Enforcer:
 def _alive(pid: int, ticks: int) -> bool:
     info = proc_info(pid)
     return info is not None and (not ticks or info.start_ticks == ticks)
+
+
+def _descendants(pids: list[int]) -> set[int]:
+    if not pids:
+        return set()
+    kids = children_map()
+    out: set[int] = set()
+    todo = list(pids)
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out

@@ -81,7 +81,9 @@ def parse_size(value: Any, what: str = "size") -> int:
     if isinstance(value, str) and (m := _SIZE_RE.match(value)):
         unit = (m.group(2) or "b").lower()[0]
         mult = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
-        return int(float(m.group(1)) * mult)
+        size = float(m.group(1)) * mult
+        if size < 1 << 62:  # also refuses inf (a 400-digit number)
+            return int(size)
     raise BadRequest(f"Invalid {what} {value!r}: give bytes or a string like '16G'")
 
 
@@ -159,8 +161,11 @@ def parse_request(data: Any) -> LeaseRequest:
         lo, hi, frac = (
             _int(data.get("min_gpus", 1), "min_gpus"),
             _int(data.get("max_gpus", data.get("min_gpus", 1)), "max_gpus"),
-            float(data.get("fraction", 1.0)),
+            data.get("fraction", 1.0),
         )
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)):
+            raise BadRequest(f"Invalid fraction {frac!r}: must be a number in (0, 1]")
+        frac = float(frac)
         if lo < 1 or hi < lo:
             raise BadRequest(f"Invalid gpus range {lo!r}-{hi!r}: need 1 <= min_gpus <= max_gpus")
         if not 0 < frac <= 1:

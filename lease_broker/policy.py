@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Dict, Float, Integer, Unicode, validate
+from traitlets import Dict, Enum, Float, Integer, Unicode, validate
 from traitlets.config import Configurable
 
 from .errors import BadRequest, Forbidden
@@ -89,8 +89,24 @@ class LeasePolicy(Configurable):
         4, config=True, help="How many shared (fractional) leases one GPU may hold at once. Example: 4."
     )
     default_priority = Unicode("normal", config=True, help="Priority class of a request that names none.")
+    drain_timeout = Float(
+        60.0,
+        config=True,
+        help="Seconds a GPU may stay draining after a lease ends (its processes and memory not yet gone) before "
+        "it is marked unhealthy, never granted again until the broker restarts, and admins get an event. "
+        "Never less than twice term_timeout. Example: 60.",
+    )
+    unleased_process_action = Enum(
+        ["warn", "kill"],
+        default_value="warn",
+        config=True,
+        help="What to do with a process that uses a GPU without a lease (not attached to a lease holding that "
+        "GPU, nor a descendant of one): 'warn' reports it (event, metric, GPU view); 'kill' also stops it "
+        "(SIGTERM, then SIGKILL after term_timeout) where the broker may (same uid, or the broker is root). "
+        "Example: 'kill'.",
+    )
 
-    @validate("default_duration_seconds", "max_duration_seconds", "term_timeout")
+    @validate("default_duration_seconds", "max_duration_seconds", "term_timeout", "drain_timeout")
     def _valid_positive(self, proposal: dict[str, Any]) -> float:
         return _positive(proposal["trait"].name, proposal["value"], allow_zero=False)
 

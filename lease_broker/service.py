@@ -96,6 +96,8 @@ class BrokerService:
         self._timers: list[ioloop.PeriodicCallback] = []
         self.sockets: list[socket.socket] = []
         self.unix_path: str | None = None
+        self._sampling = False
+        self._sampled_at = 0.0
 
     def listen_unix(self, path: str) -> None:
         sock = bind_unix(path)
@@ -126,14 +128,23 @@ class BrokerService:
 
     def _fast(self) -> None:
         if self.manager.enforcer.busy:
+            # draining waits for a sample taken after the processes went: sample faster meanwhile
+            if self.sample_seconds > 0 and not self._sampling and ioloop.IOLoop.current().time() - self._sampled_at > 0.25:
+                ioloop.IOLoop.current().spawn_callback(self._sample)
             self._tick()
 
     async def _sample(self) -> None:
+        if self._sampling:
+            return
+        self._sampling = True
         try:
             samples = await asyncio.get_running_loop().run_in_executor(None, self.manager.inventory.sample)
         except Exception:
             log.exception("Inventory %s: sampling failed", self.manager.inventory.kind)
             return
+        finally:
+            self._sampling = False
+            self._sampled_at = ioloop.IOLoop.current().time()
         self.manager.samples = samples
 
     def stop(self) -> None:

@@ -161,7 +161,10 @@ class ManagerViews:
 
     def gpu_views(self, who: Identity) -> list[dict[str, Any]]:
         states = self.gpu_states()
-        return [gpu_view(g, states[g.id][0], self.samples.get(g.id), states[g.id][1], who) for g in self.gpus]
+        views = [gpu_view(g, states[g.id][0], self.samples.get(g.id), states[g.id][1], who) for g in self.gpus]
+        for v in views:
+            v["unleased_processes"] = self.enforcer.watch.view(v["id"], who)
+        return views
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}

@@ -43,6 +43,28 @@ class BrokerCollector(Collector):
         for user, count in sorted(m.held_by_user().items()):
             per_user.add_metric([user], count)
         yield per_user
+        unleased = GaugeMetricFamily(
+            "gpulease_unleased_processes", "Processes using a GPU without a lease", labels=["gpu", "index", "user"]
+        )
+        watch = m.enforcer.watch
+        for gpu_id, procs in sorted(watch.unleased.items()):
+            by_user: dict[str, int] = {}
+            for r in procs.values():
+                by_user[r["user"]] = by_user.get(r["user"], 0) + 1
+            index = str(m.gpu_by_id[gpu_id].index) if gpu_id in m.gpu_by_id else ""
+            for user, n in sorted(by_user.items()):
+                unleased.add_metric([gpu_id, index, user], n)
+        yield unleased
+        yield CounterMetricFamily(
+            "gpulease_unleased_process_kills", "Unleased processes the broker stopped", value=watch.kills_total
+        )
+        util = GaugeMetricFamily("gpulease_gpu_utilization_percent", "GPU utilisation (latest sample)",
+                                 labels=["gpu", "index"])
+        for g in m.gpus:
+            s = m.samples.get(g.id)
+            if s is not None:
+                util.add_metric([g.id, str(g.index)], s.utilization)
+        yield util
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
 
 

@@ -51,6 +51,8 @@ class SimulatedInventory(Inventory):
         parse_size(proposal["value"], "SimulatedInventory.memory")
         return str(proposal["value"])
 
+    _ids: list[str] | None = None
+
     def discover(self) -> list[GPU]:
         nodes = min(self.nodes, self.gpus)
         per_node, extra = divmod(self.gpus, nodes)
@@ -74,4 +76,7 @@ class SimulatedInventory(Inventory):
         return out
 
     def sample(self) -> dict[str, GpuSample]:
-        return {}
+        """Nothing runs on a simulated GPU: every device reports an empty sample."""
+        if self._ids is None:
+            self._ids = [g.id for g in self.discover()]
+        return {gpu_id: GpuSample() for gpu_id in self._ids}
