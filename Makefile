@@ -31,7 +31,7 @@ system-deps:
 	fi
 
 lint: $(STAMP)
-	$(BIN)/ruff check lease_broker jupyter_gpulease tests
+	$(BIN)/ruff check lease_broker jupyter_gpulease benchmarks tests
 	$(BIN)/mypy
 
 test: $(STAMP) system-deps lint

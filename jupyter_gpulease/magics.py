@@ -29,8 +29,8 @@ from .runner import WarmPool, Worker
 from .sessions import Session, Sessions
 
 LINE_COMMANDS = """
-Line magic: %gpu status | leases | queue | release ID | sessions | session stop NAME | artifacts [N]
-            | jobs | stop NAME
+Line magic: %gpu status | leases [N] | queue | release ID | sessions | session stop NAME
+            | artifacts [N] | jobs
 """
 
 

@@ -1,0 +1,45 @@
+"""The benchmark harness runs and writes its report (tiny --quick sizes; timings are never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ["grant+release round trip", "grants/s", "scheduler decisions/s", "broker RSS", "restart to serving"]
+
+
+def test_quick_broker_benchmarks_write_every_figure_and_keep_other_sections(tmp_path: Path) -> None:
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "figures.json"
+    other = "<!-- bench:cell -->\n## %%gpu cell\n\nkept as it was\n<!-- /bench:cell -->\n"
+    out.write_text("# Benchmarks\n\n" + other)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "broker", "--output", str(out), "--json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    report = json.loads(data.read_text())
+    assert report["quick"] is True and report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
+    figures = report["modules"]["broker"]["figures"]
+    for prefix in FIGURES:
+        assert any(f["name"].startswith(prefix) for f in figures), prefix
+    for f in figures:
+        assert f["unit"] and f["n"] >= 1, f
+        for key in ("median", "p99", "min", "max"):
+            assert isinstance(f[key], float) and f["min"] <= f[key] <= f["max"], (f["name"], key)
+        base = f["baseline"]
+        assert base["name"] and base["n"] >= 1 and isinstance(base["median"], float), f["name"]
+        assert f["result"] in ("PASS", "FAIL", "no bar")
+        assert (f["bar"] is None) == (f["result"] == "no bar")
+
+    text = out.read_text()
+    assert other in text  # --only broker keeps the other modules' sections
+    assert "<!-- bench:broker -->" in text and "<!-- /bench:broker -->" in text
+    assert "python -m benchmarks --quick --only broker" in text and "cores" in text
+    for f in figures:
+        assert f"| {f['name']} |" in text
+        if f["bar"]:
+            assert f"**{f['result']}**" in text
