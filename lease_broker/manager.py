@@ -49,6 +49,7 @@ class LeaseManager(ManagerViews):
         self._seq = store.next_seq()
         self.enforcer = Enforcer(self)
         self.transitions_total: dict[tuple[str, str], int] = {}
+        self._gpus_dirty = False
 
     # ------------------------------------------------------------------ start / reconcile
     def restore(self) -> dict[str, int]:
@@ -299,6 +300,18 @@ class LeaseManager(ManagerViews):
         )
 
     def _emit_gpus(self) -> None:
+        """Publish the GPU summary; coalesced to once per event-loop iteration when a loop runs."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.events.publish("gpus", summary=self.summary())
+            return
+        if not self._gpus_dirty:
+            self._gpus_dirty = True
+            loop.call_soon(self._flush_gpus)
+
+    def _flush_gpus(self) -> None:
+        self._gpus_dirty = False
         self.events.publish("gpus", summary=self.summary())
 
     # ------------------------------------------------------------------ scheduling

@@ -39,6 +39,12 @@ class Slot:
     available: bool = True  # False while draining, unhealthy, or reserved by an admin window
     free_at: float = 0.0  # when it is expected to be free for an exclusive lease (INF = never)
 
+    def clone(self) -> Slot:
+        """A copy (dataclasses.replace is ~10x slower, and schedule() copies every slot on every pass)."""
+        c = object.__new__(Slot)
+        c.__dict__.update(self.__dict__)
+        return c
+
     @property
     def idle(self) -> bool:
         return self.available and not self.exclusive and self.n_shared == 0
@@ -95,7 +101,7 @@ def schedule(
     now: float,
     usage: Mapping[str, float] | None = None,
 ) -> Decision:
-    state = _State([dataclasses.replace(s) for s in slots], dict(held_by_user), policy, now)
+    state = _State([s.clone() for s in slots], dict(held_by_user), policy, now)  # callers' slots untouched
     decision = Decision()
     blocked = 0
     for p in queue_order(pending, policy, usage):

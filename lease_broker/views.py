@@ -167,14 +167,36 @@ class ManagerViews:
         return views
 
     def summary(self) -> dict[str, Any]:
+        """GPU counts by state (as gpu_states() would say, without building holder lists: it runs often)."""
+        exclusive: set[str] = set()
+        shared: set[str] = set()
+        queued = 0
+        for lease in self.leases.values():
+            state = lease.state
+            if state in HOLDING:
+                (shared if lease.request.shared else exclusive).update(lease.devices)
+            elif state == LeaseState.QUEUED:
+                queued += 1
+        unhealthy, draining = self.enforcer.unhealthy, self.enforcer.draining
         counts: dict[str, int] = {}
-        for state, _ in self.gpu_states().values():
+        for g in self.gpus:
+            gid = g.id
+            if gid in unhealthy:
+                state = "unhealthy"
+            elif gid in shared:
+                state = "shared"
+            elif gid in exclusive:
+                state = "leased"
+            elif gid in draining:
+                state = "draining"
+            else:
+                state = "free"
             counts[state] = counts.get(state, 0) + 1
         return {
             "total": len(self.gpus),
             "free": counts.get("free", 0),
             "states": counts,
-            "queued": sum(1 for lease in self.leases.values() if lease.state == LeaseState.QUEUED),
+            "queued": queued,
             "simulated": self.inventory.simulated,
         }
 
