@@ -172,10 +172,9 @@ class ManagerViews:
         shared: set[str] = set()
         queued = 0
         for lease in self.leases.values():
-            state = lease.state
-            if state in HOLDING:
+            if lease.state in HOLDING:
                 (shared if lease.request.shared else exclusive).update(lease.devices)
-            elif state == LeaseState.QUEUED:
+            elif lease.state == LeaseState.QUEUED:
                 queued += 1
         unhealthy, draining = self.enforcer.unhealthy, self.enforcer.draining
         counts: dict[str, int] = {}
