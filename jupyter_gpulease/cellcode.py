@@ -29,6 +29,8 @@ def free_names(code: str) -> list[str]:
     for n in ast.walk(tree):  # names bound by imports, defs and classes count as bound
         if isinstance(n, (ast.Import, ast.ImportFrom)):
             bound.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, ast.arg):  # function and lambda parameters
+            bound.add(n.arg)
     first: dict[str, bool] = {}
     for n in nodes:
         if n.id not in first:

@@ -50,7 +50,7 @@ def check_versions(mine: dict[str, str], theirs: dict[str, str]) -> None:
             a, b = a.rsplit(".", 1)[0], b.rsplit(".", 1)[0]  # patch releases pickle alike
         if a != b:
             raise TransferError(
-                f"The GPU worker runs {key} {theirs.get(key)} but this kernel runs {mine.get(key)}: values "
+                f"The GPU worker runs {key} {theirs.get(key)} but this kernel runs {key} {mine.get(key)}: values "
                 f"cannot be exchanged. Point GpuMagics.worker_python at an interpreter with the same versions."
             )
 

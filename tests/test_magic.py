@@ -289,3 +289,23 @@ def test_kernel_config_loads_the_extension(broker, tmp_path: Path) -> None:
         assert k.run("print(get_ipython().find_magic('gpu', 'cell') is not None)").stdout.strip() == "True"
     finally:
         k.stop()
+
+
+def test_artifacts_to_an_fsspec_url(kernel: Kernel) -> None:
+    """A remote artifact root (any fsspec URL): the worker writes locally, the files are uploaded at the end."""
+    kernel.run("%config GpuMagics.artifact_root = 'memory://gl-arts'")
+    r = kernel.run("%%gpu\nimport os\nprint('to memory')\n"
+                   "open(os.path.join(os.environ['GPULEASE_ARTIFACTS'], 'w.txt'), 'w').write('w')")
+    assert r.status == "ok", r.outputs
+    lease_id = r.stdout.split("gpulease: lease ")[1].split()[0]
+    assert f"memory://gl-arts/{lease_id}" in r.stdout
+    r = kernel.run(
+        "import time, jupyter_gpulease.artifacts as A\n"
+        "for _ in range(100):\n"
+        "    try:\n"
+        f"        a = A.load({lease_id!r}, 'memory://gl-arts'); break\n"
+        "    except FileNotFoundError:\n"
+        "        time.sleep(0.05)\n"
+        "print(sorted(a.files), a.log.strip(), a.meta['status'])"
+    )
+    assert r.stdout.strip() == "['meta.json', 'output.log', 'w.txt'] to memory ok", r.outputs
