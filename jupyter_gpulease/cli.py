@@ -77,7 +77,24 @@ def _request(c: BrokerClient, args: argparse.Namespace) -> Any:
     return out
 
 
+def _replay(argv: list[str]) -> int | None:
+    """``gpulease [--json] replay ...`` runs the trace replay (lease_broker.replay), imported only then."""
+    before: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "replay":
+            from lease_broker.replay.cli import main as replay_main
+
+            return replay_main(argv[i + 1:] + [a for a in before if a == "--json"])
+        if not arg.startswith("-") and (not before or before[-1] != "--broker"):
+            return None
+        before.append(arg)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    code = _replay(sys.argv[1:] if argv is None else list(argv))
+    if code is not None:
+        return code
     p = argparse.ArgumentParser(prog="gpulease", description="Lease GPUs from the jupyter-gpulease broker.")
     p.add_argument("--broker", help="broker URL (default: $GPULEASE_BROKER or the default socket)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", help="GPUs, their state and the queue")
     sub.add_parser("gpus", help="the GPUs")
     sub.add_parser("queue", help="the queue with positions")
+    sub.add_parser("replay", help="replay a GPU trace through the broker's scheduler (see gpulease replay -h)")
     lp = sub.add_parser("leases", help="your leases (all with --all, admins only)")
     lp.add_argument("--all", action="store_true", help="every user's leases (admins)")
     lp.add_argument("--ended", type=int, default=0, help="also show this many recent ended leases")

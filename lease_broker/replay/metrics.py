@@ -1,0 +1,93 @@
+"""Figures of one replay: idle reserved GPU-time, time to GPU, re-grants, gang blocking, fairness."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .sim import Run
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index: 1 when all equal, 1/n when one gets everything."""
+    if not values:
+        return math.nan
+    s, s2 = sum(values), sum(v * v for v in values)
+    return 1.0 if s2 == 0 else s * s / (len(values) * s2)
+
+
+def _ttg(waits: Sequence[float]) -> dict[str, float]:
+    return {"n": len(waits), "p50": percentile(waits, 50), "p95": percentile(waits, 95),
+            "p99": percentile(waits, 99), "max": max(waits) if waits else math.nan}
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """The run's figures as a JSON-able dict (times in seconds, fractions in 0..1)."""
+    reserved = 0.0
+    for lease in run.leases:
+        if lease.granted_at is not None and lease.ended_at is not None:
+            reserved += len(lease.devices) * (lease.ended_at - lease.granted_at)
+    horizon = max(run.end - run.start, 1e-9)
+    cluster_time = run.cluster.total * horizon
+    outcomes = run.outcomes
+    by_size: dict[str, list[float]] = {}
+    for o in outcomes:
+        by_size.setdefault(str(o.gpus), []).append(o.wait)
+    later = [o for o in outcomes if not o.first]
+    cold = sum(1 for o in later if not o.warm)
+    per_owner: dict[str, list[float]] = {}
+    for o in outcomes:
+        acc = per_owner.setdefault(o.owner, [0.0, 0.0])
+        acc[0] += o.duration
+        acc[1] += o.duration + o.wait
+    shares = [a / b if b > 0 else 1.0 for a, b in per_owner.values()]
+    return {
+        "mode": run.mode,
+        "cluster": str(run.cluster),
+        "gpus": run.cluster.total,
+        "idle_timeout_s": run.idle_timeout if run.mode == "lease" else None,
+        "gpu_bursts": len(outcomes),
+        "granted": sum(1 for o in outcomes if o.granted),
+        "cpu_bursts": run.cpu_bursts,
+        "leases": len(run.leases),
+        "reserved_gpu_s": reserved,
+        "busy_gpu_s": run.busy_gpu_seconds,
+        "reserved_idle_fraction": 1.0 - run.busy_gpu_seconds / reserved if reserved > 0 else 0.0,
+        "time_to_gpu_s": {"all": _ttg([o.wait for o in outcomes]),
+                          **{k: _ttg(v) for k, v in sorted(by_size.items(), key=lambda kv: int(kv[0]))}},
+        "warm_grants": sum(1 for o in outcomes if o.warm),
+        "cold_regrants": cold,
+        "cold_regrant_rate": cold / len(later) if later else 0.0,  # of GPU cells after the session's first
+        "cold_regrants_per_cell": cold / (len(outcomes) + run.cpu_bursts) if outcomes else 0.0,  # of all cells
+        "renewals_refused": run.renewals_refused,
+        "gang_block_gpu_s": run.gang_block_gpu_seconds,
+        "gang_block_fraction": run.gang_block_gpu_seconds / cluster_time,
+        "allocation": reserved / cluster_time,
+        "fairness_jain": jain(shares),
+        "owners": len(per_owner),
+        "span_s": horizon,
+        "events": run.events,
+        "wall_s": run.wall_seconds,
+        "notes": list(run.notes),
+    }
+
+
+def compare(lease: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float]:
+    """GPU-time the leasing run gave back against the baseline."""
+    base = baseline["reserved_gpu_s"]
+    return {
+        "reclaimed_fraction": 1.0 - lease["reserved_gpu_s"] / base if base > 0 else 0.0,
+        "reclaimed_gpu_s": base - lease["reserved_gpu_s"],
+    }

@@ -1,0 +1,441 @@
+"""The replay loop: a trace through a real LeaseManager on a virtual clock, event by event.
+
+No model of the scheduler: every request, renewal, release and idle revocation goes through
+``LeaseManager`` (the real ``schedule()``, ``LeasePolicy.apply`` and ``Enforcer.tick``) with a
+``VirtualClock``, a ``:memory:`` store and a ``SimulatedInventory`` of the cluster's shape. The
+loop only decides *when* to call it: a heap of events (arrivals, burst ends, idle deadlines,
+session stops); nothing ticks at a fixed step and nothing sleeps.
+
+Two modes:
+
+- ``lease``: each GPU burst is a ``%%gpu`` request of ``num_gpus`` when it arrives. After the
+  burst the lease lingers for the idle timeout; the session's next burst reuses it if it comes
+  within that time (a *warm* grant), otherwise the enforcer revokes it as idle and the next burst
+  needs a *cold re-grant*. Bursts of one session run in order and keep their think time: when a
+  burst waits for GPUs, the session's later bursts move by as much (a notebook runs the next cell
+  after the previous one and a pause).
+- ``session`` (today's baseline): each session asks for ``max_gpus`` at its start and holds them
+  until its stop (moved by however long it waited for them), first come first served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import math
+import re
+import time
+from typing import Any
+
+from traitlets.config import Config
+
+from ..clock import VirtualClock
+from ..errors import Forbidden, LeaseError
+from ..identity import Identity
+from ..inventory.simulated import SimulatedInventory
+from ..lease import HOLDING, Lease, LeaseState
+from ..manager import LeaseManager
+from ..policy import LeasePolicy
+from ..store import Store
+from .trace import Burst, Session, Trace, TraceError, check_fits, derive_sessions
+
+OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
+LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
+
+# event kinds, in the order they run at one instant: ends free GPUs before arrivals ask for them
+_END, _STOP, _DEADLINE, _ARRIVE = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def total(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def parse(cls, text: str) -> "Cluster":
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"Invalid cluster {text!r}: give NODESxGPUS_PER_NODE, e.g. 8x8")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    def __str__(self) -> str:
+        return f"{self.nodes}x{self.gpus_per_node}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one GPU burst experienced."""
+
+    owner: str  # user, else session
+    gpus: int
+    duration: float
+    arrival: float  # when the cell asked (trace start, moved by the session's earlier waits)
+    wait: float = 0.0  # time to GPU
+    warm: bool = False  # ran on a lease the session still held
+    first: bool = True  # the session's first GPU burst (no lease to be warm from)
+    granted: bool = False
+
+
+@dataclasses.dataclass
+class Run:
+    """One replay: its outcomes, the leases it made, and integrals over time."""
+
+    mode: str
+    cluster: Cluster
+    idle_timeout: float
+    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
+    leases: list[Lease] = dataclasses.field(default_factory=list)
+    cpu_bursts: int = 0
+    busy_gpu_seconds: float = 0.0
+    gang_block_gpu_seconds: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    events: int = 0
+    wall_seconds: float = 0.0
+    renewals_refused: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def load_policy(path: str | None) -> LeasePolicy:
+    """The broker's policy from a traitlets python config file (``c.LeasePolicy.x = ...``)."""
+    if not path:
+        return LeasePolicy()
+    from pathlib import Path
+
+    from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
+
+    p = Path(path)
+    try:
+        cfg = PyFileConfigLoader(p.name, path=str(p.parent.resolve())).load_config()
+    except ConfigFileNotFound:
+        raise TraceError(f"{path}: no such config file") from None
+    except Exception as e:  # a config file is python: any error in it is the user's to fix
+        raise TraceError(f"{path}: cannot load the config file: {type(e).__name__}: {e}") from None
+    try:
+        return LeasePolicy(config=cfg)
+    except Exception as e:
+        raise TraceError(f"{path}: invalid policy: {e}") from None
+
+
+def _policy_copy(policy: LeasePolicy, **overrides: Any) -> LeasePolicy:
+    cfg = Config()
+    cfg.LeasePolicy = Config(policy.trait_values(config=True))
+    for k, v in overrides.items():
+        cfg.LeasePolicy[k] = v
+    return LeasePolicy(config=cfg)
+
+
+def _deadline(t: float, delay: float) -> float:
+    """``t + delay``, nudged up so that ``deadline - t >= delay`` holds in floating point."""
+    d = t + delay
+    while d - t < delay:
+        d = math.nextafter(d, math.inf)
+    return d
+
+
+class _Sim:
+    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy, mode: str, idle: float) -> None:
+        self.trace = trace
+        self.cluster = cluster
+        starts = [b.start for b in trace.bursts] + [s.start for s in trace.sessions]
+        self.clock = VirtualClock(start=OFFSET + min(starts, default=0.0))
+        self.policy = policy
+        self.m = LeaseManager(
+            Store(":memory:"),
+            SimulatedInventory(gpus=cluster.total, nodes=cluster.nodes, node_name="sim-node-0", link_group_size=0),
+            policy,
+            clock=self.clock,
+        )
+        self.run = Run(mode=mode, cluster=cluster, idle_timeout=idle)
+        self.heap: list[tuple[float, int, int, tuple[Any, ...]]] = []
+        self.seq = itertools.count()
+        self.waiting: dict[str, tuple[Lease, Any]] = {}  # queued lease id -> (lease, what to start)
+        self.holding: dict[str, Lease] = {}
+        self.held_gpus = 0
+        self.gangs_waiting = 0
+        self.last_t = self.clock.now()
+        self.run.start = self.last_t - OFFSET
+
+    # ------------------------------------------------------------------ plumbing
+    def push(self, t: float, kind: int, *payload: Any) -> None:
+        heapq.heappush(self.heap, (t, kind, next(self.seq), payload))
+
+    def loop(self) -> None:
+        while self.heap:
+            t, kind, _, payload = heapq.heappop(self.heap)
+            self._integrate(t)
+            self.clock.set(t)
+            self.run.events += 1
+            self.handle(kind, payload)
+        self.run.end = self.last_t - OFFSET
+        if self.waiting:
+            raise RuntimeError(f"replay ended with {len(self.waiting)} requests never granted")
+
+    def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def _integrate(self, t: float) -> None:
+        dt = t - self.last_t
+        if dt > 0 and self.gangs_waiting:
+            self.run.gang_block_gpu_seconds += dt * (self.cluster.total - self.held_gpus)
+        self.last_t = max(self.last_t, t)
+
+    def request(self, who: Identity, gpus: int, duration: float, idle: float, then: Any) -> Lease:
+        body: dict[str, Any] = {
+            "gpus": gpus,
+            "duration_seconds": duration,
+            "heartbeat": False,  # the replay stands in for the holder; time and idleness still apply
+            "locality": "node" if gpus <= self.cluster.gpus_per_node else "any",
+            "labels": {"replay": self.run.mode},
+        }
+        if idle > 0:
+            body["idle_timeout_seconds"] = idle
+        lease, _ = self.m.request(who, body)
+        self.run.leases.append(lease)
+        self.waiting[lease.id] = (lease, then)
+        if gpus > 1:
+            self.gangs_waiting += 1
+        self.collect()
+        return lease
+
+    def collect(self) -> None:
+        """Notice what the manager did: grants of waiting requests, ends of held leases."""
+        for lid, lease in list(self.holding.items()):
+            if lease.state not in HOLDING:
+                del self.holding[lid]
+                self.held_gpus -= len(lease.devices)
+        for lid, (lease, then) in list(self.waiting.items()):
+            if lease.state == LeaseState.QUEUED:
+                continue
+            del self.waiting[lid]
+            if lease.request.min_gpus > 1:
+                self.gangs_waiting -= 1
+            if lease.state in HOLDING:
+                self.holding[lid] = lease
+                self.held_gpus += len(lease.devices)
+                self.granted(lease, then)
+            else:
+                raise RuntimeError(f"lease {lid} ended while queued: {lease.state.value} ({lease.reason})")
+
+    def granted(self, lease: Lease, then: Any) -> None:
+        raise NotImplementedError
+
+
+class _LeaseSim(_Sim):
+    """Every GPU burst asks for a lease; leases linger for the idle timeout."""
+
+    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy, idle: float) -> None:
+        longest = max((b.duration for b in trace.bursts), default=0.0) + idle + LINGER_SLACK
+        self.notes: list[str] = []
+        if longest > policy.max_duration_seconds:
+            self.notes.append(
+                f"LeasePolicy.max_duration_seconds raised from {policy.max_duration_seconds:g} to {longest:g} s "
+                "so the trace's longest burst fits in one lease"
+            )
+            policy = _policy_copy(policy, max_duration_seconds=longest)
+        super().__init__(trace, cluster, policy, "lease", idle)
+        self.run.notes.extend(self.notes)
+        self.idle_req = idle
+        self.sessions: dict[str, list[Burst]] = {}
+        for i, b in enumerate(trace.bursts):
+            self.sessions.setdefault(b.session or f"#burst{i}", []).append(b)
+        self.state: dict[str, dict[str, Any]] = {}
+        for key, bursts in self.sessions.items():
+            bursts.sort(key=lambda b: b.start)
+            self.state[key] = {"lease": None, "shift": 0.0, "gpu_seen": False, "who": Identity(bursts[0].owner)}
+            self.push(OFFSET + bursts[0].start, _ARRIVE, key, 0)
+        self.running: dict[str, Lease] = {}
+
+    def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
+        if kind == _ARRIVE:
+            self.arrive(*payload)
+        elif kind == _END:
+            self.burst_end(*payload)
+        elif kind == _DEADLINE:
+            self.idle_deadline(*payload)
+
+    def arrive(self, key: str, idx: int) -> None:
+        now = self.clock.now()
+        b = self.sessions[key][idx]
+        st = self.state[key]
+        if b.gpus == 0:
+            self.run.cpu_bursts += 1
+            self.push(now + b.duration, _END, key, idx, None, None)
+            return
+        out = Outcome(b.owner, b.gpus, b.duration, now - OFFSET, first=not st["gpu_seen"])
+        st["gpu_seen"] = True
+        self.run.outcomes.append(out)
+        self.run.busy_gpu_seconds += b.gpus * b.duration
+        lease: Lease | None = st["lease"]
+        if lease is not None and lease.state in HOLDING and len(lease.devices) >= b.gpus:
+            try:
+                self.m.renew(lease.id, st["who"], b.duration + lease.idle_timeout_seconds + LINGER_SLACK)
+            except Forbidden:
+                self.run.renewals_refused += 1
+                self.m.release(lease.id, st["who"], "replay_renewal_refused")
+                self.collect()
+            else:
+                out.warm = True
+                self.start_burst(lease, (key, idx, out))
+                return
+        elif lease is not None and lease.state in HOLDING:
+            self.m.release(lease.id, st["who"], "replay_too_small")  # a bigger cell: give back, ask anew
+            self.collect()
+        st["lease"] = None
+        self.request(st["who"], b.gpus, b.duration + self.idle_req + LINGER_SLACK, self.idle_req, (key, idx, out))
+
+    def granted(self, lease: Lease, then: Any) -> None:
+        key, idx, out = then
+        self.state[key]["lease"] = lease
+        self.start_burst(lease, then)
+
+    def start_burst(self, lease: Lease, then: tuple[str, int, Outcome]) -> None:
+        key, idx, out = then
+        now = self.clock.now()
+        out.granted = True
+        out.wait = now - OFFSET - out.arrival
+        self.m.activity(lease, now)
+        self.running[lease.id] = lease
+        self.push(now + out.duration, _END, key, idx, lease, out)
+
+    def burst_end(self, key: str, idx: int, lease: Lease | None, out: Outcome | None) -> None:
+        now = self.clock.now()
+        st = self.state[key]
+        b = self.sessions[key][idx]
+        if lease is not None:
+            self.running.pop(lease.id, None)
+            if lease.state in HOLDING:
+                self.m.activity(lease, now)
+                if lease.idle_timeout_seconds > 0 and self.idle_req > 0:
+                    self.push(_deadline(now, lease.idle_timeout_seconds), _DEADLINE, lease, now)
+                else:
+                    self.m.release(lease.id, st["who"], "cell_done")
+                    self.collect()
+            else:
+                self.run.notes.append(f"lease {lease.id} ended during its burst: {lease.state.value} ({lease.reason})")
+        # the session's next cell comes after the same pause as in the trace
+        st["shift"] = max(st["shift"], now - OFFSET - (b.start + b.duration))
+        if idx + 1 < len(self.sessions[key]):
+            nb = self.sessions[key][idx + 1]
+            self.push(max(now, OFFSET + nb.start + st["shift"]), _ARRIVE, key, idx + 1)
+
+    def idle_deadline(self, lease: Lease, stamp: float) -> None:
+        if lease.state not in HOLDING or lease.id in self.running or lease.last_activity != stamp:
+            return  # ended already, or reused since
+        now = self.clock.now()
+        for running in self.running.values():  # running cells are active: the runner says so
+            if running.state in HOLDING:
+                self.m.activity(running, now)
+        self.m.tick()  # the real enforcer revokes it as idle
+        self.collect()
+        if lease.state in HOLDING:
+            raise RuntimeError(f"lease {lease.id} not revoked at its idle deadline ({lease.state.value})")
+
+
+class _SessionSim(_Sim):
+    """Today's baseline: a session holds ``max_gpus`` from its start to its stop."""
+
+    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy) -> None:
+        sessions = list(trace.sessions) or derive_sessions(trace.bursts)
+        longest = max((s.stop - s.start for s in sessions), default=0.0) + LINGER_SLACK
+        policy = _policy_copy(
+            policy, max_duration_seconds=max(policy.max_duration_seconds, longest), default_idle_timeout_seconds=0.0
+        )
+        super().__init__(trace, cluster, policy, "session", 0.0)
+        self.bursts: dict[str, list[Burst]] = {}
+        for i, b in enumerate(trace.bursts):
+            self.bursts.setdefault(b.session or f"#burst{i}", []).append(b)
+        for s in sessions:
+            self.push(OFFSET + s.start, _ARRIVE, s)
+
+    def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
+        if kind == _ARRIVE:
+            (s,) = payload
+            self.arrive(s)
+        elif kind == _STOP:
+            lease, who = payload
+            self.m.release(lease.id, who, "session_stopped")
+            self.collect()
+
+    def plan(self, s: Session) -> tuple[list[tuple[Burst, float]], float]:
+        """The session's GPU bursts with their start times, one cell at a time, and when it stops.
+
+        Cells run in order (a cell that would overlap the previous one starts when it ends, and the
+        later ones move with it), never before the session starts; the session holds its GPUs until
+        its stop or its last cell's end, whichever is later.
+        """
+        plan: list[tuple[Burst, float]] = []
+        prev_end, shift = s.start, 0.0
+        for b in sorted(self.bursts.get(s.id, []), key=lambda b: b.start):
+            start = max(b.start + shift, prev_end)
+            shift = start - b.start
+            prev_end = start + b.duration
+            if b.gpus == 0:
+                self.run.cpu_bursts += 1
+                continue
+            if s.max_gpus == 0:
+                raise TraceError(
+                    f"{self.trace.bursts_file}:{b.line}: num_gpus={b.gpus} in session {s.id!r}, which has max_gpus=0"
+                )
+            plan.append((b, start))
+        return plan, max(s.stop, prev_end)
+
+    def arrive(self, s: Session) -> None:
+        who = Identity(s.user or s.id)
+        plan, stop = self.plan(s)
+        if s.max_gpus == 0:
+            return
+        try:
+            self.request(who, s.max_gpus, stop - s.start + LINGER_SLACK, 0.0, (s, who, plan, stop))
+        except LeaseError as e:
+            raise TraceError(
+                f"{self.trace.sessions_file}:{s.line}: session {s.id!r}: the broker refuses it: {e.message}"
+            ) from None
+
+    def granted(self, lease: Lease, then: Any) -> None:
+        s, who, plan, stop = then
+        delay = self.clock.now() - OFFSET - s.start
+        held = len(lease.devices)
+        first = True
+        for b, start in plan:
+            n = min(b.gpus, held)
+            self.run.busy_gpu_seconds += n * b.duration
+            # the session's wait for its GPUs is its first GPU cell's time to GPU; later cells find them held
+            self.run.outcomes.append(
+                Outcome(b.owner, n, b.duration, start + delay, wait=delay if first else 0.0, first=first, granted=True)
+            )
+            first = False
+        self.push(OFFSET + stop + delay, _STOP, lease, who)
+
+
+def replay(
+    trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0
+) -> Run:
+    """Replay ``trace`` on ``cluster`` under ``policy``: ``mode`` is ``lease`` or ``session``."""
+    policy = policy or LeasePolicy()
+    check_fits(trace, cluster.total)
+    if not trace.bursts:
+        raise TraceError("the trace has no bursts")
+    t0 = time.perf_counter()
+    logger = logging.getLogger("lease_broker")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # one INFO line per transition would dominate the run time
+    try:
+        sim: _Sim
+        if mode == "lease":
+            sim = _LeaseSim(trace, cluster, policy, idle)
+        elif mode == "session":
+            sim = _SessionSim(trace, cluster, policy)
+        else:
+            raise ValueError(f"Unknown replay mode {mode!r}: use 'lease' or 'session'")
+        sim.loop()
+    finally:
+        logger.setLevel(level)
+    sim.run.wall_seconds = time.perf_counter() - t0
+    return sim.run

@@ -1,0 +1,256 @@
+"""Trace replay through the real LeaseManager/scheduler on a virtual clock: known answers by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lease_broker.lease import LeaseState
+from lease_broker.replay import (
+    Cluster,
+    TraceError,
+    jain,
+    load_policy,
+    load_trace,
+    percentile,
+    replay,
+    summarize,
+    tile,
+)
+from lease_broker.replay.cli import main as replay_main
+
+TRACES = Path("/work/shared/traces")
+NOTEBOOK_BURSTS = TRACES / "notebook_bursts.csv"
+NOTEBOOK_SESSIONS = TRACES / "notebook_sessions.csv"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.fixture
+def one_session(tmp_path):
+    """One 1-GPU session: a burst, a short pause (warm), a long pause (cold)."""
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus,extra\n"
+                   "s,0,100,1,x\ns,300,100,1,y\ns,450,0,0,cpu\ns,2000,100,1,z\n")
+    sessions = write(tmp_path, "s.csv", "session_id,start_s,stop_s,max_gpus\ns,0,2100,1\n")
+    return load_trace(bursts, sessions)
+
+
+def test_warm_within_idle_window_and_cold_after_it(one_session):
+    run = replay(one_session, Cluster(1, 1), mode="lease", idle=600)
+    s = summarize(run)
+    assert s["gpu_bursts"] == s["granted"] == 3 and s["cpu_bursts"] == 1
+    assert [o.warm for o in run.outcomes] == [False, True, False]
+    assert s["warm_grants"] == 1 and s["cold_regrants"] == 1 and s["cold_regrant_rate"] == 0.5
+    # lease 1 held 0..(400 + 600); lease 2 held 2000..(2100 + 600): both revoked as idle by the real enforcer
+    assert [(lease.state, lease.reason) for lease in run.leases] == [(LeaseState.REVOKED, "idle")] * 2
+    assert s["reserved_gpu_s"] == pytest.approx(1000 + 700)
+    assert s["busy_gpu_s"] == 300
+    assert s["reserved_idle_fraction"] == pytest.approx(1 - 300 / 1700)
+    assert s["time_to_gpu_s"]["1"]["max"] == 0
+
+
+def test_baseline_holds_from_start_to_stop(one_session):
+    base = summarize(replay(one_session, Cluster(1, 1), mode="session"))
+    assert base["reserved_gpu_s"] == 2100 and base["busy_gpu_s"] == 300
+    assert base["reserved_idle_fraction"] == pytest.approx(1 - 300 / 2100)
+    lease = summarize(replay(one_session, Cluster(1, 1), mode="lease", idle=600))
+    assert lease["reserved_idle_fraction"] < base["reserved_idle_fraction"]
+
+
+def test_short_idle_timeout_makes_every_later_cell_cold(one_session):
+    s = summarize(replay(one_session, Cluster(1, 1), mode="lease", idle=60))
+    assert s["cold_regrant_rate"] == 1.0
+    assert s["reserved_gpu_s"] == pytest.approx(3 * 160)
+
+
+def test_policy_file_caps_the_idle_timeout(one_session, tmp_path):
+    cfg = write(tmp_path, "policy.py", "c.LeasePolicy.max_idle_timeout_seconds = 150\n")
+    run = replay(one_session, Cluster(1, 1), load_policy(str(cfg)), mode="lease", idle=600)
+    assert [o.warm for o in run.outcomes] == [False, False, False]  # the 200 s pause outlives 150 s
+    assert all(lease.idle_timeout_seconds == 150 for lease in run.leases)
+
+
+def test_gang_waits_for_all_its_gpus(tmp_path):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,100,1\nb,10,50,4\n")
+    run = replay(load_trace(bursts), Cluster(1, 4), mode="lease", idle=0)
+    s = summarize(run)
+    gang = next(o for o in run.outcomes if o.gpus == 4)
+    assert gang.wait == 90  # until the 1-GPU cell ends at 100: never a partial hold
+    assert s["gang_block_gpu_s"] == pytest.approx(3 * 90)  # 3 GPUs idle from 10 to 100
+    assert s["time_to_gpu_s"]["4"]["p50"] == 90
+    # with lingering leases the gang waits for the idle revocation too
+    run = replay(load_trace(bursts), Cluster(1, 4), mode="lease", idle=60)
+    assert next(o for o in run.outcomes if o.gpus == 4).wait == 150
+
+
+def test_a_waiting_cell_moves_the_sessions_later_cells(tmp_path):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\n"
+                   "a,0,100,1\nb,50,100,1\nb,200,10,1\n")
+    run = replay(load_trace(bursts), Cluster(1, 1), mode="lease", idle=0)
+    b1, b2 = (o for o in run.outcomes if o.owner == "b")
+    assert b1.wait == 50 and b1.arrival == 50
+    assert b2.arrival == 250 and b2.wait == 0  # same 50 s pause after its (late) predecessor
+
+
+def test_baseline_sessions_queue_first_come_first_served(tmp_path):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,10,2\nb,5,10,2\n")
+    sessions = write(tmp_path, "s.csv", "session_id,start_s,stop_s,max_gpus\na,0,100,2\nb,5,50,2\n")
+    run = replay(load_trace(bursts, sessions), Cluster(1, 2), mode="session")
+    s = summarize(run)
+    assert [o.wait for o in run.outcomes] == [0, 95]  # b waits for a's stop
+    assert s["reserved_gpu_s"] == 2 * 100 + 2 * 45
+
+
+def test_without_sessions_the_baseline_spans_each_sessions_bursts(tmp_path):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,10,1\na,90,10,1\n")
+    s = summarize(replay(load_trace(bursts), Cluster(1, 1), mode="session"))
+    assert s["reserved_gpu_s"] == 100 and s["reserved_idle_fraction"] == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("session_id,start_s,num_gpus\ns,0,1\n", ":1: missing column(s) duration_s"),
+        ("session_id,start_s,duration_s,num_gpus\ns,0,10,1\ns,-5,10,1\n", ":3: start_s='-5' is negative"),
+        ("session_id,start_s,duration_s,num_gpus\ns,0,ten,1\n", ":2: duration_s='ten' is not a number"),
+        ("session_id,start_s,duration_s,num_gpus\ns,0,10,1.5\n", ":2: num_gpus='1.5' is not a whole number"),
+        ("session_id,start_s,duration_s,num_gpus\ns,0,10,nan\n", ":2: num_gpus='nan' is not a finite number"),
+        ("", "empty file"),
+    ],
+)
+def test_bad_bursts_name_file_line_and_value(tmp_path, text, expect):
+    p = write(tmp_path, "bad.csv", text)
+    with pytest.raises(TraceError) as e:
+        load_trace(p)
+    assert str(p) in str(e.value) and expect in str(e.value)
+
+
+def test_bad_sessions_and_too_many_gpus(tmp_path):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\ns,0,10,1\nt,0,10,16\n")
+    with pytest.raises(TraceError, match=r"b\.csv:3: num_gpus=16 is more than the cluster's 8 GPUs"):
+        replay(load_trace(bursts), Cluster(1, 8))
+    sessions = write(tmp_path, "s.csv", "session_id,start_s,stop_s,max_gpus\ns,10,5,1\n")
+    with pytest.raises(TraceError, match=r"s\.csv:2: stop_s=5 is before start_s=10"):
+        load_trace(bursts, sessions)
+    sessions = write(tmp_path, "s2.csv", "session_id,start_s,stop_s,max_gpus\ns,0,50,1\n")
+    with pytest.raises(TraceError, match=r"b\.csv:3: session_id='t' is not in"):
+        load_trace(bursts, sessions)
+
+
+def test_cli_bad_trace_exits_2_without_traceback(tmp_path):
+    p = write(tmp_path, "bad.csv", "session_id,start_s,duration_s,num_gpus\ns,0,10,x\n")
+    proc = subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", "replay", str(p)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{p}:2: num_gpus='x' is not a number" in proc.stderr and "Traceback" not in proc.stderr
+    big = write(tmp_path, "big.csv", "session_id,start_s,duration_s,num_gpus\ns,0,10,32\n")
+    assert replay_main([str(big), "--cluster", "2x8"]) == 2
+
+
+def test_cli_json_through_gpulease(tmp_path, one_session):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\n"
+                   "s,0,100,1\ns,300,100,1\ns,2000,100,1\n")
+    sessions = write(tmp_path, "s.csv", "session_id,start_s,stop_s,max_gpus\ns,0,2100,1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpulease.cli", "--json", "replay", str(bursts), "--sessions", str(sessions),
+         "--cluster", "1x1", "--sweep", "idle=1m,10m"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["baseline"]["reserved_gpu_s"] == 2100
+    assert [r["idle_timeout_s"] for r in out["runs"]] == [60, 600]
+    assert [r["cold_regrant_rate"] for r in out["runs"]] == [1.0, 0.5]
+    assert out["runs"][1]["reclaimed_fraction"] == pytest.approx(1 - 1700 / 2100)
+
+
+def test_cli_table(tmp_path, capsys):
+    bursts = write(tmp_path, "b.csv", "start_s,duration_s,num_gpus\n0,100,1\n50,100,2\n")
+    assert replay_main([str(bursts), "--cluster", "1x2", "--idle", "5m"]) == 0
+    out = capsys.readouterr().out
+    assert "session (baseline)" in out and "lease idle=5.0m" in out and "TTG 2GPU" in out
+
+
+def test_plot_of_the_sweep(tmp_path, one_session):
+    pytest.importorskip("matplotlib", reason="matplotlib is in the 'test' extra; install it to test --plot")
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\ns,0,100,1\ns,300,100,1\n")
+    png = tmp_path / "sweep.png"
+    assert replay_main([str(bursts), "--cluster", "1x1", "--sweep", "idle=1m,10m", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentile_and_jain():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+    assert jain([1, 1, 1]) == 1.0 and jain([1, 0, 0, 0]) == 0.25
+
+
+def test_tile_shifts_copies_with_distinct_sessions(one_session):
+    t = tile(one_session, 3)
+    assert len(t.bursts) == 3 * len(one_session.bursts)
+    assert {b.session for b in t.bursts} == {"s", "s#1", "s#2"}
+    assert t.bursts[len(one_session.bursts)].start == one_session.span
+
+
+@pytest.mark.skipif(not NOTEBOOK_BURSTS.exists(), reason=f"{NOTEBOOK_BURSTS} is not on this machine")
+def test_notebook_trace_structural_sanity():
+    trace = load_trace(NOTEBOOK_BURSTS, NOTEBOOK_SESSIONS)
+    cluster = Cluster(8, 8)
+    base = summarize(replay(trace, cluster, mode="session"))
+    lease = summarize(replay(trace, cluster, mode="lease", idle=600))
+    for s in (base, lease):
+        assert s["granted"] == s["gpu_bursts"] == 518 and s["cpu_bursts"] == 272
+        for key in ("reserved_idle_fraction", "cold_regrant_rate", "allocation", "fairness_jain",
+                    "gang_block_fraction"):
+            assert 0 <= s[key] <= 1, key
+    assert base["reserved_idle_fraction"] == pytest.approx(0.743, abs=0.001)  # the trace README's 74 %
+    assert lease["reserved_idle_fraction"] < base["reserved_idle_fraction"]
+    assert lease["busy_gpu_s"] == base["busy_gpu_s"]
+
+
+def test_missing_file_and_bad_policy_exit_2(tmp_path, capsys):
+    assert replay_main([str(tmp_path / "nope.csv")]) == 2
+    assert "nope.csv: cannot read" in capsys.readouterr().err
+    bursts = write(tmp_path, "b.csv", "start_s,duration_s,num_gpus\n0,10,1\n")
+    cfg = write(tmp_path, "pol.py", "c.LeasePolicy.max_idle_timeout_seconds = -1\n")
+    assert replay_main([str(bursts), "--config", str(cfg)]) == 2
+    assert "pol.py: invalid policy: LeasePolicy.max_idle_timeout_seconds=-1.0" in capsys.readouterr().err
+
+
+def _no_gpu_held_twice(run):
+    by_gpu: dict[str, list[tuple[float, float]]] = {}
+    for lease in run.leases:
+        for d in lease.devices:
+            by_gpu.setdefault(d, []).append((lease.granted_at, lease.ended_at))
+    for spans in by_gpu.values():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert start >= end
+
+
+def test_random_traces_grant_everything_once(tmp_path):
+    hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is in the 'test' extra")
+    st = hypothesis.strategies
+    burst = st.tuples(st.sampled_from("abcd"), st.integers(0, 2000), st.integers(0, 500), st.sampled_from([0, 1, 2, 4]))
+
+    @hypothesis.settings(max_examples=40, deadline=None, database=None)
+    @hypothesis.given(st.lists(burst, min_size=1, max_size=25), st.sampled_from([0, 60, 300]))
+    def check(rows, idle):
+        text = "session_id,start_s,duration_s,num_gpus\n" + "".join(f"{s},{t},{d},{g}\n" for s, t, d, g in rows)
+        trace = load_trace(write(tmp_path, "r.csv", text))
+        for mode in ("lease", "session"):
+            run = replay(trace, Cluster(2, 4), mode=mode, idle=idle)
+            s = summarize(run)
+            assert s["granted"] == s["gpu_bursts"] == sum(1 for r in rows if r[3])
+            assert s["reserved_gpu_s"] >= s["busy_gpu_s"] - 1e-6
+            assert all(lease.state.terminal for lease in run.leases)
+            _no_gpu_held_twice(run)
+
+    check()
