@@ -240,3 +240,16 @@ class Lease:
         if self.request.shared:
             return self.request.fraction if self.request.fraction < 1 else 1.0
         return float(len(self.devices) or self.request.min_gpus)
+
+
+def reason_slug(reason: str, default: str) -> str:
+    """A caller's free-text reason, made safe to store and log (at most 200 plain characters)."""
+    text = "".join(c if c.isalnum() or c in "-_: " else "_" for c in (reason or default))[:200].strip()
+    return text or default
+
+
+def describe_request(req: LeaseRequest) -> str:
+    """'2', '1-4', '0.25 (shared)' or '0.5 mem=…' for logs."""
+    if req.shared:
+        return f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
+    return str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"

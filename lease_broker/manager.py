@@ -15,9 +15,18 @@ from .errors import BadRequest, Forbidden, InvalidTransition, NotFound
 from .events import EventBus
 from .identity import Identity, hash_secret
 from .inventory import GPU, GpuSample, Inventory
-from .lease import HOLDING, Lease, LeaseState, check_transition, parse_duration, parse_request
+from .lease import (
+    HOLDING,
+    Lease,
+    LeaseState,
+    check_transition,
+    describe_request,
+    parse_duration,
+    parse_request,
+    reason_slug,
+)
 from .policy import LeasePolicy
-from .procs import is_descendant, proc_info
+from .procs import is_descendant, proc_info, same_process
 from .scheduler import Pending, Slot, schedule
 from .store import Store
 from .views import ManagerViews, may_see
@@ -61,7 +70,7 @@ class LeaseManager(ManagerViews):
             self.leases[lease.id] = lease
             lease.last_heartbeat = now  # holders could not heartbeat while we were down
             lease.last_activity = max(lease.last_activity, now)
-            alive = {p: t for p, t in procs.get(lease.id, {}).items() if _same_process(p, t)}
+            alive = {p: t for p, t in procs.get(lease.id, {}).items() if same_process(p, t)}
             lease.pids = sorted(alive)
             self.enforcer.remember(lease.id, alive)
             if lease.state in HOLDING:
@@ -113,7 +122,7 @@ class LeaseManager(ManagerViews):
         self._seq += 1
         self.store.insert(lease, now)
         self.leases[lease.id] = lease
-        log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, _describe(req))
+        log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
         self._emit(lease, None)
         self.schedule()
         return lease, secret
@@ -149,7 +158,7 @@ class LeaseManager(ManagerViews):
         if lease.state == LeaseState.QUEUED:
             self.end(lease, LeaseState.CANCELLED, "cancelled")
         else:
-            self.end(lease, LeaseState.RELEASED, _slug(reason, "released"))
+            self.end(lease, LeaseState.RELEASED, reason_slug(reason, "released"))
         return lease
 
     def revoke(self, lease_id: str, who: Identity, reason: str = "admin") -> Lease:
@@ -159,7 +168,7 @@ class LeaseManager(ManagerViews):
         if lease.state.terminal:
             raise InvalidTransition(f"Lease {lease_id} already ended ({lease.state.value})")
         target = LeaseState.CANCELLED if lease.state == LeaseState.QUEUED else LeaseState.REVOKED
-        self.end(lease, target, "admin:" + _slug(reason, "revoked"))
+        self.end(lease, target, "admin:" + reason_slug(reason, "revoked"))
         return lease
 
     def renew(self, lease_id: str, who: Identity, duration: Any) -> Lease:
@@ -302,13 +311,11 @@ class LeaseManager(ManagerViews):
     def _emit_gpus(self) -> None:
         """Publish the GPU summary; coalesced to once per event-loop iteration when a loop runs."""
         try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.events.publish("gpus", summary=self.summary())
-            return
-        if not self._gpus_dirty:
-            self._gpus_dirty = True
-            loop.call_soon(self._flush_gpus)
+            if not self._gpus_dirty:
+                asyncio.get_running_loop().call_soon(self._flush_gpus)
+                self._gpus_dirty = True
+        except RuntimeError:  # no loop (tests with a virtual clock): at once
+            self._flush_gpus()
 
     def _flush_gpus(self) -> None:
         self._gpus_dirty = False
@@ -389,18 +396,3 @@ class LeaseManager(ManagerViews):
         self.enforcer.tick(self.clock.now())
         self.schedule()
 
-
-def _same_process(pid: int, start_ticks: int) -> bool:
-    info = proc_info(pid)
-    return info is not None and (not start_ticks or info.start_ticks == start_ticks)
-
-
-def _slug(reason: str, default: str) -> str:
-    text = "".join(c if c.isalnum() or c in "-_: " else "_" for c in (reason or default))[:200].strip()
-    return text or default
-
-
-def _describe(req: Any) -> str:
-    if req.shared:
-        return f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
-    return str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"

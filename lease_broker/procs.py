@@ -128,3 +128,9 @@ def signal_group(pid: int, start_ticks: int, sig: int) -> bool:
 
 
 TERM_SIGNALS = (signal.SIGTERM, signal.SIGKILL)
+
+
+def same_process(pid: int, start_ticks: int) -> bool:
+    """Whether ``pid`` is still the process that was recorded (not a later one that reused the pid)."""
+    info = proc_info(pid)
+    return info is not None and (not start_ticks or info.start_ticks == start_ticks)

@@ -32,14 +32,14 @@ from typing import Any
 from traitlets.config import Config
 
 from ..clock import VirtualClock
-from ..errors import Forbidden, LeaseError
+from ..errors import Forbidden
 from ..identity import Identity
 from ..inventory.simulated import SimulatedInventory
 from ..lease import HOLDING, Lease, LeaseState
 from ..manager import LeaseManager
 from ..policy import LeasePolicy
 from ..store import Store
-from .trace import Burst, Session, Trace, TraceError, check_fits, derive_sessions
+from .trace import Burst, Trace, TraceError, check_fits
 
 OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
 LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
@@ -338,82 +338,6 @@ class _LeaseSim(_Sim):
             raise RuntimeError(f"lease {lease.id} not revoked at its idle deadline ({lease.state.value})")
 
 
-class _SessionSim(_Sim):
-    """Today's baseline: a session holds ``max_gpus`` from its start to its stop."""
-
-    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy) -> None:
-        sessions = list(trace.sessions) or derive_sessions(trace.bursts)
-        longest = max((s.stop - s.start for s in sessions), default=0.0) + LINGER_SLACK
-        policy = _policy_copy(
-            policy, max_duration_seconds=max(policy.max_duration_seconds, longest), default_idle_timeout_seconds=0.0
-        )
-        super().__init__(trace, cluster, policy, "session", 0.0)
-        self.bursts: dict[str, list[Burst]] = {}
-        for i, b in enumerate(trace.bursts):
-            self.bursts.setdefault(b.session or f"#burst{i}", []).append(b)
-        for s in sessions:
-            self.push(OFFSET + s.start, _ARRIVE, s)
-
-    def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
-        if kind == _ARRIVE:
-            (s,) = payload
-            self.arrive(s)
-        elif kind == _STOP:
-            lease, who = payload
-            self.m.release(lease.id, who, "session_stopped")
-            self.collect()
-
-    def plan(self, s: Session) -> tuple[list[tuple[Burst, float]], float]:
-        """The session's GPU bursts with their start times, one cell at a time, and when it stops.
-
-        Cells run in order (a cell that would overlap the previous one starts when it ends, and the
-        later ones move with it), never before the session starts; the session holds its GPUs until
-        its stop or its last cell's end, whichever is later.
-        """
-        plan: list[tuple[Burst, float]] = []
-        prev_end, shift = s.start, 0.0
-        for b in sorted(self.bursts.get(s.id, []), key=lambda b: b.start):
-            start = max(b.start + shift, prev_end)
-            shift = start - b.start
-            prev_end = start + b.duration
-            if b.gpus == 0:
-                self.run.cpu_bursts += 1
-                continue
-            if s.max_gpus == 0:
-                raise TraceError(
-                    f"{self.trace.bursts_file}:{b.line}: num_gpus={b.gpus} in session {s.id!r}, which has max_gpus=0"
-                )
-            plan.append((b, start))
-        return plan, max(s.stop, prev_end)
-
-    def arrive(self, s: Session) -> None:
-        who = Identity(s.user or s.id)
-        plan, stop = self.plan(s)
-        if s.max_gpus == 0:
-            return
-        try:
-            self.request(who, s.max_gpus, stop - s.start + LINGER_SLACK, 0.0, (s, who, plan, stop))
-        except LeaseError as e:
-            raise TraceError(
-                f"{self.trace.sessions_file}:{s.line}: session {s.id!r}: the broker refuses it: {e.message}"
-            ) from None
-
-    def granted(self, lease: Lease, then: Any) -> None:
-        s, who, plan, stop = then
-        delay = self.clock.now() - OFFSET - s.start
-        held = len(lease.devices)
-        first = True
-        for b, start in plan:
-            n = min(b.gpus, held)
-            self.run.busy_gpu_seconds += n * b.duration
-            # the session's wait for its GPUs is its first GPU cell's time to GPU; later cells find them held
-            self.run.outcomes.append(
-                Outcome(b.owner, n, b.duration, start + delay, wait=delay if first else 0.0, first=first, granted=True)
-            )
-            first = False
-        self.push(OFFSET + stop + delay, _STOP, lease, who)
-
-
 def replay(
     trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0
 ) -> Run:
@@ -431,7 +355,9 @@ def replay(
         if mode == "lease":
             sim = _LeaseSim(trace, cluster, policy, idle)
         elif mode == "session":
-            sim = _SessionSim(trace, cluster, policy)
+            from .baseline import SessionSim  # the baseline builds on this module's _Sim
+
+            sim = SessionSim(trace, cluster, policy)
         else:
             raise ValueError(f"Unknown replay mode {mode!r}: use 'lease' or 'session'")
         sim.loop()
