@@ -190,7 +190,7 @@ class LeaseRun:
         """
         self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
         self.status = "running"
-        if worker.pid not in self._attached:
+        if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
             self._pending.append(_IO.submit(self._attach, worker))  # in flight while the job starts
         self.heartbeater.set_active(self.lease["id"], True)
@@ -223,7 +223,7 @@ class LeaseRun:
             if single_use and not reaped:
                 if worker.alive():
                     worker.kill(0.5)
-                self.exit_status = worker.proc.returncode
+                self.exit_status = worker.returncode
                 worker.close()
             elif not single_use:
                 self.heartbeater.set_active(self.lease["id"], False)
@@ -232,7 +232,7 @@ class LeaseRun:
         try:
             self.client.attach(self.lease["id"], worker.pid)
         except Exception as e:
-            finished = self.status != "running" or worker.proc.returncode is not None
+            finished = self.status != "running" or worker.returncode is not None
             if finished or (isinstance(e, BrokerError) and e.status in (404, 409)):
                 return  # the worker (or the lease) is already gone: nothing left to attach
             print(f"gpulease: could not attach worker {worker.pid} to lease {self.lease['id']}: {e}", file=sys.stderr)

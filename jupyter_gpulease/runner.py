@@ -60,6 +60,11 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Worker:
+    """A worker process on this host. Other executors (e.g. a Ray actor on another node) offer the
+    same methods: submit, poll, drain, interrupt, kill, wait_exit, alive, close, returncode."""
+
+    local = True  # a process of this host, child of the kernel: attached to the lease by pid
+
     def __init__(self, python: str | None = None, preload: list[str] | None = None, session: bool = False) -> None:
         r, w = os.pipe()
         env = worker_env({"GPULEASE_CTRL_FD": str(w)})
@@ -92,6 +97,10 @@ class Worker:
     # ---------------------------------------------------------------- state
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
 
     def submit(self, job: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
