@@ -184,6 +184,8 @@ def test_two_kernels_compete_for_one_gpu(broker_factory, kernel_factory) -> None
     assert "second ran" in r2.stdout
     queued = float(r2.stdout.split("queued ")[1].split("s")[0])
     assert queued > 0.5  # it waited for the first cell's lease
+    # while it waited, a widget showed the queue position (the widget's model is updated through comms)
+    assert any("application/vnd.jupyter.widget-view+json" in o["content"].get("data", {}) for o in r2.outputs)
 
 
 def test_session_keeps_its_worker_and_is_revoked_when_idle(broker_factory, kernel_factory) -> None:
