@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	# link the sidebar's build output so `cd labextension && jlpm build` is picked up without reinstalling
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter labextension develop --overwrite .
 	touch $(STAMP)
 
 # System packages the tests need (Debian): installed only when run as root and missing.

@@ -7,32 +7,33 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: object) -> None:
     from .magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
-def unload_ipython_extension(ipython: Any) -> None:
+def unload_ipython_extension(ipython: object) -> None:
     from .magics import unload_ipython_extension as _unload
 
     _unload(ipython)
 
 
-def _jupyter_server_extension_points() -> list[dict[str, str]]:
-    return [{"module": "jupyter_gpulease.serverext"}]
+def _jupyter_server_extension_points() -> list[dict[str, object]]:
+    # The app (an ExtensionApp) gives the extension a shutdown hook, which stops an embedded broker.
+    from .serverext import _jupyter_server_extension_points as points
+
+    return points()
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:
     return [{"src": "labextension", "dest": "jupyter-gpulease"}]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # The Python API (lease, on_gpu, map) is imported lazily so `import jupyter_gpulease` stays cheap.
     if name in ("lease", "on_gpu", "map", "Lease"):
         from . import api

@@ -41,3 +41,7 @@ def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c = broker.client()
     yield c
     c.close()
+
+
+# pytest-jupyter's fixtures (jp_fetch, jp_serverapp, ...) for the server extension tests
+pytest_plugins = ["pytest_jupyter.jupyter_server"]

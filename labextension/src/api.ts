@@ -1,0 +1,140 @@
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+/** An error answer of the server extension or the broker: `{status, reason, message}`. */
+export class GpuLeaseError extends Error {
+  constructor(
+    readonly status: number,
+    readonly reason: string,
+    message: string
+  ) {
+    super(message);
+  }
+}
+
+/** Call `{base_url}/gpulease/api/<path>` with Jupyter's authentication. */
+export async function requestAPI<T>(
+  path: string,
+  init: RequestInit = {},
+  settings: ServerConnection.ISettings = ServerConnection.makeSettings()
+): Promise<T> {
+  const url = URLExt.join(settings.baseUrl, 'gpulease', 'api', path);
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, init, settings);
+  } catch (error) {
+    throw new GpuLeaseError(0, 'network', `Jupyter server unreachable: ${error}`);
+  }
+  const text = await response.text();
+  let data: any = {};
+  if (text) {
+    try {
+      data = JSON.parse(text);
+    } catch {
+      data = { message: text.slice(0, 300) };
+    }
+  }
+  if (!response.ok) {
+    throw new GpuLeaseError(
+      response.status,
+      data.reason ?? 'error',
+      data.message ?? `HTTP ${response.status}`
+    );
+  }
+  return data as T;
+}
+
+/** The websocket URL of the event relay, with the token when the server expects it in the URL. */
+export function eventsURL(
+  settings: ServerConnection.ISettings = ServerConnection.makeSettings()
+): string {
+  let url = URLExt.join(settings.wsUrl, 'gpulease', 'events');
+  if (settings.appendToken && settings.token) {
+    url += `?token=${encodeURIComponent(settings.token)}`;
+  }
+  return url;
+}
+
+export interface IHolder {
+  user: string;
+  lease_id: string | null;
+  fraction: number;
+  expires_at: number | null;
+  mine: boolean;
+}
+
+export interface IGpu {
+  id: string;
+  index: number;
+  node: string;
+  name: string;
+  memory_total: number;
+  memory_used: number;
+  utilization: number;
+  state: string;
+  simulated: boolean;
+  holders: IHolder[];
+}
+
+export interface ISummary {
+  total: number;
+  free: number;
+  states: Record<string, number>;
+  queued: number;
+  simulated: boolean;
+}
+
+export interface IInfo {
+  simulated: boolean;
+  time: number;
+  user: { name: string; uid: number | null; admin: boolean };
+  summary: ISummary;
+  inventory?: unknown;
+}
+
+export interface ILease {
+  id: string;
+  user: string;
+  state: string;
+  reason: string | null;
+  created_at: number;
+  granted_at: number | null;
+  expires_at: number | null;
+  devices: { id: string; index: number; node: string; name: string }[];
+  duration_seconds: number;
+  idle_timeout_seconds: number;
+  idle_deadline: number | null;
+  position: number | null;
+  estimated_start: number | null;
+  min_gpus: number;
+  max_gpus: number;
+  fraction: number;
+  labels: Record<string, string>;
+}
+
+export interface IQueueEntry {
+  position: number;
+  lease_id: string | null;
+  user: string;
+  mine: boolean;
+  min_gpus: number;
+  max_gpus: number;
+  fraction: number;
+  waited_seconds: number;
+  estimated_start: number | null;
+}
+
+export interface IArtifact {
+  lease_id: string;
+  path: string;
+  relative_path: string | null;
+  modified: number;
+  meta: Record<string, any> | null;
+  files: string[];
+}
+
+export interface IEvent {
+  schema: string;
+  type: string;
+  [key: string]: any;
+}

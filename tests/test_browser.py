@@ -1,0 +1,199 @@
+"""The JupyterLab sidebar in a real JupyterLab, in real headless Chromium, against a real broker."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+if not os.path.exists(CHROMIUM) and os.geteuid() != 0:
+    pytest.skip(f"{CHROMIUM} is missing and we are not root to install it: run `make system-deps` as root "
+                "(apt-get install chromium)", allow_module_level=True)
+
+from lab_server import LabServer  # noqa: E402
+from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
+
+pytestmark = pytest.mark.browser
+
+WAIT_MS = 60_000  # bounds for conditions to appear (not timings we assert)
+expect.set_options(timeout=WAIT_MS)
+
+
+@pytest.fixture
+def broker(broker_factory, request):
+    """The conftest broker; a test may pass extra broker arguments with @pytest.mark.parametrize(indirect=True)."""
+    return broker_factory(gpus=4, args=["--tick=0.1", *getattr(request, "param", [])])
+
+
+@pytest.fixture
+def lab(broker, tmp_path) -> Iterator[LabServer]:
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: run `make system-deps` (apt-get install chromium)"
+    server = LabServer(tmp_path / "lab", env={
+        "GPULEASE_BROKER": broker.url,
+        "GPULEASE_ARTIFACT_ROOT": str(tmp_path / "lab" / "root" / "gpulease-artifacts"),
+    }).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def page(lab: LabServer, request) -> Iterator[Page]:
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run"],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.set_default_timeout(WAIT_MS)
+        yield page
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-final.png"))
+        browser.close()
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    """Poll a condition on a real process (bounded); True once it holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return bool(condition())
+
+
+def open_panel(page: Page, lab: LabServer) -> None:
+    page.goto(f"{lab.url}/lab?token={lab.token}")
+    page.wait_for_selector("#jupyterlab-splash", state="detached")
+    page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
+    expect(page.locator("#gpulease-panel")).to_be_visible()
+
+
+def card(page: Page, gpu_id: str):
+    return page.locator(f'#gpulease-panel .jp-GpuLease-card[data-gpu-id="{gpu_id}"]')
+
+
+def status_item(page: Page):
+    return page.locator(".jp-GpuLease-statusItem")
+
+
+def test_sidebar_follows_the_broker(lab, page, client, broker):
+    assert lab.get("gpulease/api/status")["broker_url"] == broker.url
+    open_panel(page, lab)
+    gpus = client.gpus()["gpus"]
+    cards = page.locator("#gpulease-panel .jp-GpuLease-card")
+    expect(cards).to_have_count(len(gpus))
+    for g in gpus:
+        c = card(page, g["id"])
+        expect(c).to_have_attribute("data-state", "free")
+        expect(c.locator(".jp-GpuLease-gpuName")).to_have_text(f"{g['index']}: {g['name']}")
+        expect(c.locator(".jp-GpuLease-simulated")).to_have_text("simulated")
+    expect(status_item(page)).to_have_text("GPUs 4/4 free")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "sidebar-free.png"))
+
+    # a lease taken outside the browser (same uid) shows up as yours, from the event stream
+    lease = client.request_lease(1, duration_seconds=1800)
+    gpu_id = lease["devices"][0]["id"]
+    expect(card(page, gpu_id)).to_have_attribute("data-state", "yours")
+    expect(card(page, gpu_id).locator(".jp-GpuLease-state")).to_contain_text("left")
+    expect(status_item(page)).to_have_text("GPUs 3/4 free")
+    row = page.locator(f'#gpulease-panel [data-section="my-leases"] [data-lease-id="{lease["id"]}"]')
+    expect(row).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "sidebar-yours.png"))
+
+    # Release in the panel releases the broker's lease
+    row.get_by_role("button", name=f"Release lease {lease['id']}").click()
+    expect(card(page, gpu_id)).to_have_attribute("data-state", "free")
+    assert client.lease(lease["id"])["state"] == "released"
+    expect(status_item(page)).to_have_text("GPUs 4/4 free")
+    expect(row).to_have_count(0)
+
+    # the panel survives a broker restart: "broker unreachable" meanwhile, then live again
+    broker.stop()
+    expect(status_item(page)).to_have_text("GPUs: broker unreachable")
+    expect(page.locator("#gpulease-panel .jp-GpuLease-connection")).to_have_text("broker unreachable")
+    page.screenshot(path=str(ARTIFACTS / "sidebar-unreachable.png"))
+    broker.start()
+    expect(status_item(page)).to_have_text("GPUs 4/4 free")
+    lease2 = client.request_lease(1, duration_seconds=600)
+    gpu2 = lease2["devices"][0]["id"]
+    expect(card(page, gpu2)).to_have_attribute("data-state", "yours")
+
+    # root is an admin: the admin list shows every lease, and Revoke asks for a reason
+    assert client.info()["user"]["admin"] is True
+    admin_row = page.locator(f'#gpulease-panel [data-section="all-leases"] [data-lease-id="{lease2["id"]}"]')
+    admin_row.get_by_role("button", name=f"Revoke lease {lease2['id']}").click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.locator("input").fill("needed for the nightly run")
+    dialog.get_by_role("button", name="Revoke").click()
+    expect(card(page, gpu2)).to_have_attribute("data-state", "free")
+    revoked = client.lease(lease2["id"])
+    assert revoked["state"] == "revoked" and "nightly" in (revoked["reason"] or "")
+
+    # the status-bar item opens the panel
+    page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')  # collapse it
+    expect(page.locator("#gpulease-panel")).to_be_hidden()
+    status_item(page).click()
+    expect(page.locator("#gpulease-panel")).to_be_visible()
+
+
+def test_gpu_cell_run_from_the_ui_shows_in_the_sidebar(lab, page, client):
+    import nbformat
+
+    magics = Path(__file__).resolve().parent.parent / "jupyter_gpulease" / "magics.py"
+    assert magics.exists(), "jupyter_gpulease/magics.py (the %%gpu magic) is missing"
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext jupyter_gpulease"),
+                nbformat.v4.new_code_cell("%%gpu\nimport time; time.sleep(3)\nprint('done on', 'gpu')")]
+    nbformat.write(nb, lab.root_dir / "gpu.ipynb")
+    page.goto(f"{lab.url}/lab/tree/gpu.ipynb?token={lab.token}")
+    page.wait_for_selector("#jupyterlab-splash", state="detached")
+    expect(page.locator(".jp-Notebook")).to_be_visible()
+    page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
+    expect(page.locator("#gpulease-panel .jp-GpuLease-card")).to_have_count(4)
+    # the kernel is connected (cells run before that would prompt for a kernel)
+    expect(page.locator(".jp-StatusBar-Widget", has_text="Python 3 (ipykernel) | Idle").first).to_be_visible()
+    page.locator(".jp-Notebook .jp-Cell").first.click()
+    page.keyboard.press("Shift+Enter")
+    expect(page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")).to_have_text("[1]:")
+    page.keyboard.press("Shift+Enter")
+
+    yours = page.locator('#gpulease-panel .jp-GpuLease-card[data-state="yours"]')
+    expect(yours).to_have_count(1)  # while the cell runs, its GPU is yours
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "gpu-cell-running.png"))
+    expect(page.locator(".jp-OutputArea-output", has_text="done on gpu")).to_be_visible()
+    expect(yours).to_have_count(0)  # and free again when it ends
+    expect(page.locator('#gpulease-panel .jp-GpuLease-card[data-state="free"]')).to_have_count(4)
+    assert client.gpus()["summary"]["free"] == 4
+    ended = client.leases(ended=5)
+    assert ended == [] or all(lease["state"] not in ("granted", "active", "idle") for lease in ended)
+
+    # its artifacts are listed, and the link opens them in JupyterLab
+    link = page.locator('#gpulease-panel [data-section="artifacts"] a.jp-GpuLease-artifact').first
+    expect(link).to_be_visible()
+    link.click()
+    expect(page.locator(".lm-TabBar-tab", has_text="output.log")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "gpu-cell-done.png"))
+
+
+# warn an hour before expiry: a 30 min lease is warned about at once
+@pytest.mark.parametrize("broker", [["--LeasePolicy.warn_before_seconds=3600"]], indirect=True)
+def test_expiry_warning_notifies_with_an_extend_action(lab, page, client):
+    open_panel(page, lab)
+    lease = client.request_lease(1, duration_seconds=1800)
+    toast = page.locator(".Toastify__toast", has_text=f"Lease {lease['id']} will be expired")
+    expect(toast).to_be_visible()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "expiry-warning.png"))
+    before = client.lease(lease["id"])["expires_at"]
+    toast.get_by_role("button", name="Extend").click()
+    assert wait_until(lambda: client.lease(lease["id"])["expires_at"] > before), "Extend did not renew the lease"
