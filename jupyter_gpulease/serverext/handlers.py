@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized, ws_authenticated
@@ -49,7 +50,7 @@ class GpuLeaseHandler(APIHandler):
         self.finish(json.dumps(body))
 
     async def proxy(self, method: str, path: str, body: Any = None) -> None:
-        query = "&".join(f"{k}={v}" for k in PASSED_QUERY if (v := self.get_query_argument(k, None)) is not None)
+        query = urlencode({k: v for k in PASSED_QUERY if (v := self.get_query_argument(k, None)) is not None})
         path = "/api/v1/" + path + ("?" + query if query else "")
         try:
             data = await self.gl.broker_call(method, path, body)
