@@ -190,7 +190,8 @@ class Worker:
         with contextlib.suppress(Exception):
             if self.proc.stdin:
                 self.proc.stdin.close()
-        for key in list(self._sel.get_map().values()):
+        keys = self._sel.get_map()  # None once closed: close() may run twice (kill, then the run's end)
+        for key in list(keys.values()) if keys is not None else []:
             self._sel.unregister(key.fileobj)
             if key.data == 3:
                 with contextlib.suppress(OSError):
