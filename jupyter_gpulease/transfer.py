@@ -11,13 +11,16 @@ Both ends import this module; it must stay free of IPython imports.
 
 from __future__ import annotations
 
+import _pickle as pickle  # the C pickler itself: `import pickle` adds re & co. (~6 ms) to a cold start
 import io
 import mmap
 import os
-import pickle
 import struct
 import sys
-from typing import IO, Any
+
+TYPE_CHECKING = False  # typing only for the type checker: this module is on every cold start
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 # cloudpickle is imported only when needed: a cold worker that runs a plain cell starts faster,
 # and unpickling what cloudpickle wrote imports it by itself.

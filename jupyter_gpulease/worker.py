@@ -13,30 +13,64 @@ configured modules imported (never CUDA initialised) until a lease arrives.
 
 from __future__ import annotations
 
-import ast
-import linecache
+import _ast  # ast without its Python layer: parsing is all a cell needs, and `import ast` costs ~8 ms
 import os
-import queue
-import signal
 import sys
 import threading
 import time
-import traceback
-from typing import IO, Any
+from _queue import SimpleQueue  # queue.SimpleQueue without importing queue (heapq, ...)
 
 from . import transfer
+
+# The worker's start is on the critical path of every cold %%gpu cell: this module imports only
+# what a plain cell needs. typing is for the type checker; traceback and linecache (tokenize)
+# are loaded off the critical path (see _SourceRegistry).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 _THIS_FILE = os.path.abspath(__file__).rstrip("c")
 
 
 def _kill_own_group() -> None:
     try:
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        os.killpg(os.getpgid(0), 9)  # SIGKILL (the signal module's enums cost ~5 ms at start)
     finally:
         os._exit(137)
 
 
-def _lifeline(stdin: IO[bytes], jobs: queue.Queue[Any]) -> None:
+class _SourceRegistry:
+    """Puts each cell's source into linecache (for tracebacks and warnings), in the background.
+
+    linecache imports tokenize; a cold worker should not wait for that before running the
+    cell. The error path calls ``flush`` so a traceback always has its source lines.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, tuple[int, None, list[str], str]]] = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, entry: tuple[int, None, list[str], str], background: bool = True) -> None:
+        with self._lock:
+            self._pending.append((name, entry))
+        if "linecache" in sys.modules or not background:
+            self.flush()
+        else:
+            threading.Thread(target=self.flush, name="gpulease-linecache", daemon=True).start()
+
+    def flush(self) -> None:
+        import linecache
+
+        with self._lock:
+            for name, entry in self._pending:
+                linecache.cache[name] = entry
+            self._pending.clear()
+
+
+_SOURCES = _SourceRegistry()
+
+
+def _lifeline(stdin: IO[bytes], jobs: SimpleQueue[Any]) -> None:
     """Read jobs; when the kernel is gone (EOF), take down this worker and its children."""
     while True:
         try:
@@ -61,11 +95,11 @@ def _compile_cell(code: str, name: str, want_value: bool, header: str = "") -> t
     """
     source = ("\n" if header else "") + code
     lines = ([header.rstrip("\n") + "\n"] if header else []) + code.splitlines(keepends=True)
-    linecache.cache[name] = (len(source), None, lines, name)
-    tree = ast.parse(source, filename=name, mode="exec")
+    _SOURCES.add(name, (len(source), None, lines, name))
+    tree: Any = compile(source, name, "exec", _ast.PyCF_ONLY_AST)
     last = None
-    if want_value and tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
-        last = compile(ast.Expression(tree.body.pop().value), name, "eval")  # type: ignore[attr-defined]
+    if want_value and tree.body and isinstance(tree.body[-1], _ast.Expr) and not code.rstrip().endswith(";"):
+        last = compile(_ast.Expression(tree.body.pop().value), name, "eval")
     return compile(tree, name, "exec"), last
 
 
@@ -105,6 +139,9 @@ def run_job(job: dict[str, Any], ns: dict[str, Any]) -> dict[str, Any]:
         return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started,
                 "versions": transfer.versions()}
     except BaseException as e:  # the user's error, KeyboardInterrupt included: report, never crash
+        import traceback
+
+        _SOURCES.flush()
         tb = _strip_own_frames(e.__traceback__)
         text = "".join(traceback.format_exception(type(e), e, tb))
         return {
@@ -139,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
             __import__(mod)
         except Exception as e:  # a missing optional module must not stop the worker
             failed[mod] = f"{type(e).__name__}: {e}"
-    jobs: queue.Queue[Any] = queue.Queue()
+    if preload:  # a warm worker waits anyway: load now what errors and warnings need later
+        import linecache  # noqa: F401
+    jobs: SimpleQueue[Any] = SimpleQueue()
     threading.Thread(target=_lifeline, args=(stdin, jobs), name="gpulease-lifeline", daemon=True).start()
     transfer.send(ctrl, {"type": "ready", "pid": os.getpid(), "versions": transfer.versions(), "preload_failed": failed})
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}

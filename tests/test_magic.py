@@ -148,6 +148,7 @@ def test_interrupt_stops_the_worker_and_releases(kernel: Kernel, client) -> None
     partial = kernel.collect(msg_id, until=lambda outs: any("worker " in o["content"].get("text", "") for o in outs))
     pid = int(partial.stdout.split("worker ")[1].split()[0])
     lease_id = _holding(client)[0]["id"]
+    time.sleep(0.3)  # well inside the loop (an interrupt right after the print may land on its line)
     kernel.km.interrupt_kernel()
     r = kernel.collect(msg_id)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
