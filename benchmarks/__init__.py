@@ -9,4 +9,4 @@ To add a module: create ``benchmarks/NAME.py`` with ``TITLE`` and ``run(opts)``,
 from __future__ import annotations
 
 #: Benchmark modules, in the order their sections appear in BENCHMARKS.md.
-MODULES: list[str] = ["broker", "cell", "replay"]
+MODULES: list[str] = ["broker", "enforcement", "cell", "replay"]

@@ -43,3 +43,18 @@ def test_quick_broker_benchmarks_write_every_figure_and_keep_other_sections(tmp_
         assert f"| {f['name']} |" in text
         if f["bar"]:
             assert f"**{f['result']}**" in text
+
+
+def test_quick_enforcement_benchmark_sees_every_lease_revoked_or_expired(tmp_path: Path) -> None:
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "enforcement", "--output", str(out),
+         "--json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    # the module raises if a lease ended any other way than revoked (idle) / expired (time limit)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (fig,) = json.loads(data.read_text())["modules"]["enforcement"]["figures"]
+    assert fig["name"].startswith("idle revocation") and fig["n"] == 5 and fig["baseline"]["n"] == 5
+    assert fig["min"] >= 0 and fig["baseline"]["min"] >= 0  # never taken back before its deadline
+    assert "<!-- bench:enforcement -->" in out.read_text()
