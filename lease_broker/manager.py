@@ -58,7 +58,7 @@ class LeaseManager(ManagerViews):
         self._seq = store.next_seq()
         self.enforcer = Enforcer(self)
         self.transitions_total: dict[tuple[str, str], int] = {}
-        self._gpus_dirty = False
+        self._gpus_dirty, self._gpus_sent = False, -1e9  # see ManagerViews._emit_gpus
 
     # ------------------------------------------------------------------ start / reconcile
     def restore(self) -> dict[str, int]:
@@ -307,19 +307,6 @@ class LeaseManager(ManagerViews):
             previous=before.value if before else None,
             user=lease.user,
         )
-
-    def _emit_gpus(self) -> None:
-        """Publish the GPU summary; coalesced to once per event-loop iteration when a loop runs."""
-        try:
-            if not self._gpus_dirty:
-                asyncio.get_running_loop().call_soon(self._flush_gpus)
-                self._gpus_dirty = True
-        except RuntimeError:  # no loop (tests with a virtual clock): at once
-            self._flush_gpus()
-
-    def _flush_gpus(self) -> None:
-        self._gpus_dirty = False
-        self.events.publish("gpus", summary=self.summary())
 
     # ------------------------------------------------------------------ scheduling
     def slots(self) -> list[Slot]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock
@@ -11,6 +13,11 @@ from .lease import HOLDING, Lease, LeaseState
 
 if TYPE_CHECKING:
     from .enforcer import Enforcer
+    from .events import EventBus
+
+#: The GPU summary (one entry per GPU) is published at most this often: at once after a quiet spell, then
+#: on the trailing edge. A busy broker would otherwise rebuild it twice per grant and release.
+GPU_EVENT_INTERVAL = 0.1
 
 
 def may_see(lease: Lease, who: Identity) -> bool:
@@ -117,6 +124,25 @@ class ManagerViews:
     inventory: Inventory
     clock: Clock
     enforcer: "Enforcer"
+    events: "EventBus"
+    _gpus_dirty: bool
+    _gpus_sent: float
+
+    def _emit_gpus(self) -> None:
+        """Publish the GPU summary: at once, or at most every GPU_EVENT_INTERVAL (the latest state wins)."""
+        if self._gpus_dirty:
+            return  # already scheduled: it will carry this change too
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (tests with a virtual clock): at once
+            self._flush_gpus()
+            return
+        self._gpus_dirty = True
+        loop.call_later(max(0.0, self._gpus_sent + GPU_EVENT_INTERVAL - time.monotonic()), self._flush_gpus)
+
+    def _flush_gpus(self) -> None:
+        self._gpus_dirty, self._gpus_sent = False, time.monotonic()
+        self.events.publish("gpus", summary=self.summary())
 
     def view(self, lease: Lease) -> dict[str, Any]:
         position = estimate = idle_deadline = None
