@@ -212,7 +212,7 @@ class Store:
                 raise ValueError("row boundaries lost")
         except (ValueError, TypeError):  # a damaged row: parse row by row, so the error is about that row
             decoded = [None] * len(rows)
-        return [_lease(r, d) for r, d in zip(rows, decoded)]
+        return [_lease(r, d) for r, d in zip(rows, decoded, strict=True)]
 
     def get(self, lease_id: str) -> Lease | None:
         r = self.db.execute(f"SELECT {_COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()
