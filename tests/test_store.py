@@ -35,7 +35,7 @@ def test_live_returns_every_lease_as_written(tmp_path: Path) -> None:
     written = _fill(str(tmp_path / "s.db"), 40)
     got = Store(str(tmp_path / "s.db")).live()
     assert [x.id for x in got] == [x.id for x in written]  # arrival order
-    for a, b in zip(got, written):
+    for a, b in zip(got, written, strict=True):
         assert (a.state, a.devices, a.pids, a.request.labels) == (b.state, b.devices, b.pids, b.request.labels)
 
 
