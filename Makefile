@@ -13,6 +13,7 @@ help:
 	@echo "make demo   - broker with 4 simulated GPUs + JupyterLab with the extension and a demo notebook"
 	@echo "make test   - lint, type-check and run the whole test suite"
 	@echo "make bench  - run the benchmarks and rewrite BENCHMARKS.md"
+	@echo "make soak   - 1,000 clients for 60 s, %%gpu soak, faults, security, fuzzing: BENCHMARKS.md figures"
 	@echo "make lint   - ruff and mypy"
 
 venv: $(STAMP)
@@ -20,16 +21,22 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	$(BIN)/python -m pip install -q -e '.[test,dev,ray]'
 	# link the sidebar's build output so `cd labextension && jlpm build` is picked up without reinstalling
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter labextension develop --overwrite .
 	touch $(STAMP)
 
-# System packages the tests need (Debian): installed only when run as root and missing.
+# System packages the tests need (Debian): installed only when run as root and missing
+# (chromium: browser tests; slurm-wlm, slurm-client, munge: the Slurm tests start a real Slurm).
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1; then \
 		echo "Installing Debian's chromium for the browser tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi
+	@if [ "$$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null 2>&1; then \
+		echo "Installing Debian's Slurm and munge for the multi-node (Slurm) tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			slurm-wlm munge slurm-client >/dev/null; \
 	fi
 
 lint: $(STAMP)
@@ -41,6 +48,12 @@ test: $(STAMP) system-deps lint
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# 1,000 clients for 60 s, a %%gpu soak, the fault/security/fuzz tests with more fuzzing: rewrites the
+# "Load and soak" and "Reliability" sections of BENCHMARKS.md (about 10 minutes)
+soak: $(STAMP)
+	GPULEASE_SOAK_SECONDS=$${GPULEASE_SOAK_SECONDS:-60} GPULEASE_FUZZ_EXAMPLES=$${GPULEASE_FUZZ_EXAMPLES:-100} \
+		$(BIN)/python -m benchmarks --only load --only reliability
 
 demo: $(STAMP)
 	bash scripts/demo.sh "$(DEMO_DIR)"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import MODULES
+from . import MODULES, SOAK
 from .report import machine, now, rewrite, section, table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the harness works (seconds)")
-    parser.add_argument("--only", action="append", choices=MODULES, help="run only this module (repeatable)")
+    parser.add_argument("--only", action="append", choices=MODULES, help="run only this module (repeatable); without it, every module but the soak ones "
+                        f"({', '.join(SOAK)}: make soak)")
     parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"), help="the report to rewrite")
     parser.add_argument("--json", default="", help="also write every figure as JSON to this file")
     opts = parser.parse_args(argv)
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     new: dict[str, str] = {}
     failed = 0
-    for name in opts.only or MODULES:
+    for name in opts.only or [m for m in MODULES if m not in SOAK]:
         mod = importlib.import_module(f"benchmarks.{name}")
         print(f"== {name}: {mod.TITLE}", flush=True)
         started = time.monotonic()

@@ -33,6 +33,14 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
     return [{"src": "labextension", "dest": "jupyter-gpulease"}]
 
 
+def preempting() -> bool:
+    """In a ``%%gpu`` cell (or a function run on a lease): whether the broker warned that a higher priority
+    class is taking this lease's GPUs. Save a checkpoint and finish before the grace period ends."""
+    import os
+
+    return os.environ.get("GPULEASE_PREEMPTING") == "1"
+
+
 def __getattr__(name: str) -> object:
     # The Python API (lease, on_gpu, map) is imported lazily so `import jupyter_gpulease` stays cheap.
     if name in ("lease", "on_gpu", "map", "Lease"):

@@ -9,8 +9,9 @@
 
     results = jupyter_gpulease.map(train, [0.1, 0.01, 0.001], gpus_per_call=1, max_gpus=4)
 
-``map`` asks for one lease per call, at most ``max_gpus`` GPUs at a time: it starts with
-what is free and runs more trials as GPUs free up. Results come back in input order.
+``map`` holds one incremental lease (``gpus_per_call``-``max_gpus``): it starts with what is free, and as
+the broker grows the lease toward ``max_gpus`` it runs more trials at once, each in its own worker on its
+own ``gpus_per_call`` GPUs. Results come back in input order.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from . import artifacts as _artifacts
@@ -69,7 +70,16 @@ class Lease:
 
     @property
     def devices(self) -> list[dict[str, Any]]:
-        return list(self.info.get("devices") or [])
+        """The GPUs it holds now (an incremental lease grows: see ``refresh``)."""
+        return list(self._run.lease.get("devices") or [])
+
+    def refresh(self) -> "Lease":
+        """Read the lease from the broker again: an incremental lease (``lease("1-4")``) gets more GPUs as
+        they free up (heartbeats also bring them in, every few seconds)."""
+        view = self._run.client.lease(self.id)
+        self._run._on_beat(view)
+        self.info = self._run.lease
+        return self
 
     @property
     def env(self) -> dict[str, str]:
@@ -79,12 +89,16 @@ class Lease:
     def artifacts(self) -> str:
         return self._run.artifacts.display_path
 
-    def run(self, fn: Callable[..., Any], *args: Any, _sinks: Sinks | None = None, **kwargs: Any) -> Any:
-        """Run ``fn(*args, **kwargs)`` in a fresh worker that sees only this lease's GPUs; return its result."""
+    def run(self, fn: Callable[..., Any], *args: Any, _sinks: Sinks | None = None, _visible: str | None = None,
+            **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in a fresh worker that sees only this lease's GPUs; return its result.
+        (``_visible``: a CUDA_VISIBLE_DEVICES value of some of them, for one of several concurrent calls.)"""
         if self._run.status == "ended":
             raise RuntimeError(f"Lease {self.id} has been released")
         job = Job("call", code=getattr(fn, "__qualname__", repr(fn)), inputs={"__gpulease_call__": (fn, args, kwargs)})
-        outcome = self._run.run(Worker(), job, _sinks or default_sinks(), self.grace, single_use=True, release=False)
+        env = {"CUDA_VISIBLE_DEVICES": _visible} if _visible is not None else None
+        outcome = self._run.run(Worker(), job, _sinks or default_sinks(), self.grace, single_use=True, release=False,
+                                env=env)
         return outcome.value
 
     def release(self) -> None:
@@ -128,18 +142,21 @@ def on_gpu(gpus: int | str | float = 1, **options: Any) -> Callable[[Callable[..
 
 def map(fn: Callable[[Any], Any], params: Iterable[Any], gpus_per_call: int = 1, max_gpus: int = 4,
         **options: Any) -> list[Any]:
-    """``[fn(p) for p in params]``, each call on its own lease, up to ``max_gpus`` GPUs at once.
+    """``[fn(p) for p in params]`` on one incremental lease of ``gpus_per_call`` to ``max_gpus`` GPUs.
 
-    Calls start as GPUs are granted, so the search uses what is free now and more as GPUs free up.
-    A failed call raises its error after the others finished (the others' results are not lost:
-    see the exception's ``results``).
+    The lease is granted with what is free (at least ``gpus_per_call``) and grows as GPUs free up; every
+    ``gpus_per_call`` GPUs it holds run one call at a time, each in its own worker. A failed call raises its
+    error after the others finished (the others' results are not lost: see the exception's ``results``).
     """
     items = list(params)
-    slots = max(1, max_gpus // max(1, gpus_per_call))
+    if not items:
+        return []
+    per = max(1, int(gpus_per_call))
+    most = max(per, min(int(max_gpus), per * len(items)) // per * per)  # never more than the calls can use
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
 
-    def one(i: int) -> None:
+    def one(held: Lease, i: int, visible: str) -> None:
         def prefixed(stream: Any) -> Callable[[str], None]:
             def write(text: str) -> None:
                 stream.write("".join(f"[{i}] {line}" for line in text.splitlines(keepends=True)))
@@ -148,13 +165,30 @@ def map(fn: Callable[[Any], Any], params: Iterable[Any], gpus_per_call: int = 1,
             return write
 
         try:
-            with lease(gpus_per_call, **options) as held:
-                results[i] = held.run(fn, items[i], _sinks=Sinks(prefixed(sys.stdout), prefixed(sys.stderr)))
+            results[i] = held.run(fn, items[i], _sinks=Sinks(prefixed(sys.stdout), prefixed(sys.stderr)),
+                                  _visible=visible)
         except BaseException as e:  # collected and raised once every call has finished
             errors[i] = e
 
-    with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="gpulease-map") as pool:
-        list(pool.map(one, range(len(items))))
+    with lease(str(per) if most == per else f"{per}-{most}", **options) as held:
+        pool = ThreadPoolExecutor(max_workers=most // per, thread_name_prefix="gpulease-map")
+        todo = list(range(len(items)))[::-1]
+        busy: dict[int, Future[None]] = {}  # slot (a group of ``per`` GPUs of the lease) -> its call
+        try:
+            while todo or busy:
+                visible = [d for d in held.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+                for k in range(len(visible) // per):
+                    if k not in busy and todo:
+                        busy[k] = pool.submit(one, held, todo.pop(), ",".join(visible[k * per:(k + 1) * per]))
+                wait(list(busy.values()), timeout=1.0, return_when=FIRST_COMPLETED)
+                busy = {k: f for k, f in busy.items() if not f.done()}
+                if todo and len(visible) < most:
+                    held.refresh()  # grown? more calls at once
+        except BaseException:
+            held.release()  # the broker stops the calls' workers: the pool below finishes at once
+            raise
+        finally:
+            pool.shutdown(wait=True)
     if errors:
         first = min(errors)
         err = errors[first]

@@ -112,16 +112,20 @@ def job_message(job: Job, env: dict[str, str], oob_dir: str) -> dict[str, Any]:
     return msg
 
 
-def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float) -> dict[str, Any]:
+def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
+          notices: Callable[[], list[str]] | None = None) -> dict[str, Any]:
     """Send the job and forward output until the result arrives.
 
     An interrupt is forwarded to the worker as SIGINT (its own KeyboardInterrupt traceback
     shows); after ``grace`` seconds, or at a second interrupt, its process group is killed.
+    ``notices`` gives lines from the broker (a preemption warning) to show in the cell meanwhile.
     """
     worker.submit(job)
     interrupted_at: float | None = None
     while True:
         try:
+            for text in notices() if notices is not None else ():
+                sinks.err(text)
             if interrupted_at is not None and time.monotonic() >= interrupted_at + grace:
                 worker.kill(0.5)
                 raise KeyboardInterrupt
@@ -165,7 +169,46 @@ class LeaseRun:
         self._reapers: list[threading.Thread] = []
         self._auto_end = False
         self._end_lock = threading.Lock()
-        heartbeater.add(lease["id"], active=True)
+        self._notices: list[str] = []
+        self._preempting: dict[str, Any] | None = None
+        heartbeater.add(lease["id"], active=True, on_reply=self._on_beat)
+
+    def _on_beat(self, view: dict[str, Any]) -> None:
+        """A heartbeat's answer (heartbeat thread): note a preemption warning for the cell to print."""
+        warning = view.get("preempting")
+        if warning and self._preempting is None:
+            self._preempting = warning
+            left = max(0.0, float(warning["deadline"]) - time.time())
+            self._notices.append(
+                f"gpulease: lease {view['id']} is being preempted by priority class {warning['by_class']!r}: "
+                f"save a checkpoint within {left:.0f} s, then the lease is revoked\n")
+        if "devices" in view and view.get("state") in ("granted", "active", "idle"):
+            self.lease = {**self.lease, "devices": view["devices"], "env": view.get("env", self.lease.get("env")),
+                          "node": view.get("node", self.lease.get("node"))}
+
+    def take_notices(self) -> list[str]:
+        out, self._notices = self._notices, []
+        return out
+
+    def ended_why(self) -> str:
+        """Why the broker ended this lease, for a worker that died (preempted, revoked, expired), or ''."""
+        try:
+            view = self.client.lease(self.lease["id"])
+        except Exception:
+            return ""
+        state, reason = view.get("state"), str(view.get("reason") or "")
+        if state not in ("revoked", "expired", "failed"):
+            return ""
+        if reason == "preempted":
+            by = (view.get("preempted_by") or {}).get("priority")
+            who = (view.get("preempted_by") or {}).get("user")
+            return (f"the lease was preempted by priority class {by!r}" + (f" (user {who})" if who else "")
+                    + ": its GPUs went to a higher priority request")
+        if reason == "over_memory_cap":
+            return "the lease used more GPU memory than its share of the GPU allows (over_memory_cap)"
+        if reason.startswith("admin:"):
+            return f"an admin revoked the lease ({reason[6:]})"
+        return f"the lease was {state} ({reason})"
 
     def env(self) -> dict[str, str]:
         return lease_env(self.lease, self.artifacts)
@@ -181,7 +224,7 @@ class LeaseRun:
         return Sinks(tee(sinks.out), tee(sinks.err))
 
     def run(self, worker: Worker, job: Job, sinks: Sinks, grace: float, single_use: bool = True,
-            release: bool = True) -> Outcome:
+            release: bool = True, env: dict[str, str] | None = None) -> Outcome:
         """Run ``job`` on ``worker`` (already started).
 
         The result is handed back as soon as the worker sends it; a single-use worker is then
@@ -200,13 +243,15 @@ class LeaseRun:
         msg: dict[str, Any] | None = None
         reaped = False
         try:
-            msg = job_message(job, self.env(), oob_dir)
+            msg = job_message(job, {**self.env(), **(env or {})}, oob_dir)
             try:
-                result = drive(worker, msg, self.logging_sinks(sinks), grace)
+                result = drive(worker, msg, self.logging_sinks(sinks), grace, self.take_notices)
             except WorkerCrashed as e:
                 self.status = "crashed"
                 self.exit_status = e.status
-                raise cell_error("WorkerCrashed", str(e), f"WorkerCrashed: {e}") from None
+                why = self.ended_why()
+                text = f"{e}: {why}" if why else str(e)
+                raise cell_error("WorkerCrashed", text, f"WorkerCrashed: {text}") from None
             except KeyboardInterrupt:
                 self.status = "interrupted"
                 raise

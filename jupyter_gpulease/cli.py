@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from . import admin_cli
 from .client import BrokerClient, BrokerError
 from .format import fmt_bytes, fmt_duration, lease_gpus, table
 
@@ -16,22 +17,35 @@ def _status(c: BrokerClient, args: argparse.Namespace) -> Any:
     info = c.info()
     gpus = c.gpus()["gpus"]
     queue = c.queue()
+    reservations = c.reservations()
     if args.json:
-        return {"info": info, "gpus": gpus, "queue": queue}
+        return {"info": info, "gpus": gpus, "queue": queue, "reservations": reservations}
     s = info["summary"]
     sim = " (SIMULATED inventory)" if info["simulated"] else ""
-    lines = [f"Broker {info['version']} at {c.url}{sim}: {s['free']}/{s['total']} GPUs free, {s['queued']} queued"]
+    reserved = f", {s['states']['reserved']} reserved" if s["states"].get("reserved") else ""
+    lines = [f"Broker {info['version']} at {c.url}{sim}: {s['free']}/{s['total']} GPUs free{reserved}, "
+             f"{s['queued']} queued"]
     rows = []
     for g in gpus:
         holders = ", ".join(h["user"] + ("" if h["fraction"] == 1 else f" ({h['fraction']:g})") for h in g["holders"])
         rows.append([g["node"], g["index"], g["name"] + (" [sim]" if g["simulated"] else ""),
                      f"{fmt_bytes(g['memory_used'])}/{fmt_bytes(g['memory_total'])}", f"{g['utilization']:.0f}%",
-                     g["state"], holders])
+                     _gpu_state(g), holders])
     lines.append(table(["NODE", "IDX", "NAME", "MEMORY", "UTIL", "STATE", "HELD BY"], rows))
     if queue:
         lines.append("")
         lines.append(_queue_table(queue))
+    if reservations:
+        lines.append("")
+        lines.append(admin_cli.reservations_table(reservations))
     return "\n".join(lines)
+
+
+def _gpu_state(g: dict[str, Any]) -> str:
+    r = g.get("reservation")
+    if g["state"] == "reserved" and r:
+        return f"reserved ({r['user'] or '@' + r['group']} until {time.strftime('%H:%M', time.localtime(r['end']))})"
+    return str(g["state"])
 
 
 def _queue_table(queue: list[dict[str, Any]]) -> str:
@@ -115,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--spread", action="store_true", help="allow the GPUs to span nodes")
     rp.add_argument("--wait", nargs="?", const="0", default=None, metavar="SECONDS",
                     help="wait for the grant (at most SECONDS)")
+    admin_cli.add_parser(sub)
     for name, hlp in (("release", "release (or cancel) a lease"), ("renew", "extend a lease"),
                       ("show", "one lease with its history")):
         sp = sub.add_parser(name, help=hlp)
@@ -142,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "release":
             lease = c.release(args.lease_id)
             out = lease if args.json else f"{lease['id']} {lease['state']}"
+        elif args.cmd == "admin":
+            out = admin_cli.run(c, args)
         elif args.cmd == "renew":
             lease = c.renew(args.lease_id, args.time)
             out = lease if args.json else f"{lease['id']} expires in {fmt_duration(lease['expires_at'] - time.time())}"
@@ -154,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"status": e.status, "reason": e.reason, "message": e.message}))
         print(f"gpulease: {e.message}", file=sys.stderr)
         return 1
+    except ValueError as e:  # a bad argument that argparse cannot check (an assignment, a time)
+        print(f"gpulease: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(out, indent=2) if args.json and not isinstance(out, str) else out)
     return 0
 

@@ -185,5 +185,9 @@ class BrokerClient:
     def revoke(self, lease_id: str, reason: str) -> dict[str, Any]:
         return self.request("POST", f"/api/v1/leases/{lease_id}/revoke", {"reason": reason})
 
+    def reservations(self) -> list[dict[str, Any]]:
+        """Advance reservations that have not ended (booked and active)."""
+        return list(self.request("GET", "/api/v1/reservations")["reservations"])
+
     def history(self, lease_id: str) -> list[dict[str, Any]]:
         return list(self.request("GET", f"/api/v1/leases/{lease_id}/history")["transitions"])

@@ -32,8 +32,8 @@ def duration(text: str, what: str) -> float:
     if not m:
         raise ValueError(f"invalid {what} {text!r}: give seconds or a duration like 30s, 5m, 2h")
     value = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
-    if value <= 0:
-        raise ValueError(f"invalid {what} {text!r}: must be positive")
+    if not 0 < value < 10 * 365 * 86400:
+        raise ValueError(f"invalid {what} {text!r}: must be positive and under 10 years")
     return value
 
 
@@ -41,7 +41,10 @@ def size(text: str, what: str) -> int:
     m = _SIZE.match(str(text))
     if not m:
         raise ValueError(f"invalid {what} {text!r}: give bytes or a size like 512M, 10G")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+    value = float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower())
+    if not 0 < value < 1024**5:
+        raise ValueError(f"invalid {what} {text!r}: must be more than 0 and under 1024T")
+    return int(value)
 
 
 def gpus_spec(text: str) -> int | float | str:

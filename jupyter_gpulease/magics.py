@@ -23,6 +23,7 @@ from . import artifacts as _artifacts
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import Job, LeaseRun, default_sinks, summary_line
 from .client import BrokerClient, BrokerError, BrokerUnreachable
+from .executors import executor_for
 from .format import fmt_duration, table
 from .leasing import Heartbeater, LeaseUnavailable, acquire, duration, gpus_spec, release_quietly, size
 from .runner import WarmPool, Worker
@@ -210,7 +211,7 @@ class GpuMagics(Magics):
         lease, queued = self._acquire(opts)
         run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
         try:
-            worker, _warm = self.pool.take()
+            worker = executor_for(lease, self.worker_python or None) or self.pool.take()[0]  # Ray, Slurm: on the GPU node
             return run.run(worker, job, sinks or default_sinks(), opts["grace"])
         finally:
             run.end()
@@ -226,7 +227,8 @@ class GpuMagics(Magics):
             lease, queued = self._acquire(opts)
             run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
             try:
-                worker = Worker(self.worker_python or None, list(self.preload), session=True)
+                worker = (executor_for(lease, self.worker_python or None, session=True)  # Ray, Slurm: on the GPU node
+                          or Worker(self.worker_python or None, list(self.preload), session=True))
             except Exception:
                 run.end()
                 raise

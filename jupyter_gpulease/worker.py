@@ -14,6 +14,7 @@ configured modules imported (never CUDA initialised) until a lease arrives.
 from __future__ import annotations
 
 import _ast  # ast without its Python layer: parsing is all a cell needs, and `import ast` costs ~8 ms
+import _signal  # signal without its Python layer (enums): loaded with the interpreter
 import os
 import sys
 import threading
@@ -70,6 +71,55 @@ class _SourceRegistry:
 _SOURCES = _SourceRegistry()
 
 
+def _on_preemption_warning(signum: int, frame: Any) -> None:
+    """SIGUSR1 from the broker: a higher priority class takes this lease's GPUs after a grace period."""
+    os.environ["GPULEASE_PREEMPTING"] = "1"  # jupyter_gpulease.preempting() reads it
+    os.write(2, b"gpulease: this lease is being preempted by a higher priority class: save a checkpoint now, "
+                b"the worker is stopped when the grace period ends (jupyter_gpulease.preempting() is True)\n")
+
+
+class _TorchMemoryFraction:
+    """On a shared GPU: applies GPULEASE_MEMORY_FRACTION to PyTorch the moment the cell imports torch."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                _limit_torch(module)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _limit_torch(torch: Any) -> None:
+    try:
+        fraction = float(os.environ.get("GPULEASE_MEMORY_FRACTION") or 1)
+        if 0 < fraction < 1 and torch.cuda.is_available():
+            for device in range(torch.cuda.device_count()):
+                torch.cuda.set_per_process_memory_fraction(fraction, device)
+    except Exception as e:  # never break the cell's import
+        sys.stderr.write(f"gpulease: could not limit PyTorch to its share of the GPU: {e}\n")
+
+
+def _limit_frameworks(env: dict[str, str]) -> None:
+    """A shared lease: cap the memory of frameworks that take it all by default (PyTorch now or on import)."""
+    if "GPULEASE_MEMORY_FRACTION" not in env:
+        return
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", env["GPULEASE_MEMORY_FRACTION"])  # JAX, read at start
+    if "torch" in sys.modules:
+        _limit_torch(sys.modules["torch"])
+    elif not any(isinstance(f, _TorchMemoryFraction) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchMemoryFraction())
+
+
 def _lifeline(stdin: IO[bytes], jobs: SimpleQueue[Any]) -> None:
     """Read jobs; when the kernel is gone (EOF), take down this worker and its children."""
     while True:
@@ -105,6 +155,7 @@ def _compile_cell(code: str, name: str, want_value: bool, header: str = "") -> t
 
 def _prepare(job: dict[str, Any]) -> None:
     os.environ.update(job.get("env") or {})
+    _limit_frameworks(job.get("env") or {})
     if job.get("cwd"):
         try:
             os.chdir(job["cwd"])
@@ -178,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             failed[mod] = f"{type(e).__name__}: {e}"
     if preload:  # a warm worker waits anyway: load now what errors and warnings need later
         import linecache  # noqa: F401
+    _signal.signal(_signal.SIGUSR1, _on_preemption_warning)  # the default action would end the worker at once
     jobs: SimpleQueue[Any] = SimpleQueue()
     threading.Thread(target=_lifeline, args=(stdin, jobs), name="gpulease-lifeline", daemon=True).start()
     transfer.send(ctrl, {"type": "ready", "pid": os.getpid(), "versions": transfer.versions(), "preload_failed": failed})

@@ -23,6 +23,7 @@ from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager import LeaseManager
 from .policy import LeasePolicy
+from .policy_manager import reload_policy_file
 from .service import BrokerService, default_socket_path
 from .store import Store
 
@@ -196,6 +197,8 @@ class LeaseBroker(Application):
         loop = ioloop.IOLoop.current()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_event_loop().add_signal_handler(sig, lambda: loop.add_callback_from_signal(loop.stop))
+        asyncio.get_event_loop().add_signal_handler(  # SIGHUP: re-read the config file, apply its policy
+            signal.SIGHUP, lambda: reload_policy_file(manager, self.config_file, self.cli_config))
         # announce readiness last, so supervisors and tests can wait for it
         print(f"lease-broker ready: {' '.join(where)}", flush=True)
         try:

@@ -42,7 +42,8 @@ class Enforcer:
         alive = {p: t for p, t in pids.items() if _alive(p, t)}
         now = self.m.clock.now()
         # the GPU is clean only when the descendants are gone too (they may have left the process group)
-        drain_pids = sorted(set(pids) | _descendants(list(alive)))
+        # (only live ones: a dead pid may since belong to an unrelated process, which must not hold the GPU)
+        drain_pids = sorted(set(alive) | _descendants(list(alive)))
         if alive:
             for pid, ticks in alive.items():
                 if signal_group(pid, ticks, signal.SIGTERM):

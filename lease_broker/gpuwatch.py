@@ -15,6 +15,7 @@ import pwd
 import signal
 from typing import TYPE_CHECKING, Any
 
+from .fractional import check_memory_caps
 from .identity import Identity
 from .lease import HOLDING
 from .procs import is_descendant, proc_info
@@ -63,6 +64,7 @@ class GpuWatch:
                 current[pid] = self._report(gpu_id, pid, memory)
             if current or gpu_id in self.unleased:
                 self.unleased[gpu_id] = current
+        check_memory_caps(self.m, samples)  # shared leases over their memory cap are stopped
 
     def _owners(self) -> dict[str, list[int]]:
         """Per GPU, the pids whose process trees may use it: leases holding it, leases draining from it."""

@@ -76,7 +76,7 @@ def parse_duration(value: Any, what: str = "duration") -> float:
 
 def parse_size(value: Any, what: str = "size") -> int:
     """Bytes from ``1024``, ``"16G"``, ``"512MiB"``; raises BadRequest quoting the value."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
         return value
     if isinstance(value, str) and (m := _SIZE_RE.match(value)):
         unit = (m.group(2) or "b").lower()[0]

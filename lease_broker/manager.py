@@ -26,7 +26,9 @@ from .lease import (
     reason_slug,
 )
 from .policy import LeasePolicy
-from .procs import is_descendant, proc_info, same_process
+from .policy_manager import PolicyMixin
+from .procs import is_descendant, proc_info
+from .restore import RestoreMixin
 from .scheduler import Pending, Slot, schedule
 from .store import Store
 from .views import ManagerViews, may_see
@@ -34,7 +36,7 @@ from .views import ManagerViews, may_see
 log = logging.getLogger("lease_broker")
 
 
-class LeaseManager(ManagerViews):
+class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
     def __init__(
         self,
         store: Store,
@@ -59,49 +61,17 @@ class LeaseManager(ManagerViews):
         self.enforcer = Enforcer(self)
         self.transitions_total: dict[tuple[str, str], int] = {}
         self._gpus_dirty, self._gpus_sent = False, -1e9  # see ManagerViews._emit_gpus
-
-    # ------------------------------------------------------------------ start / reconcile
-    def restore(self) -> dict[str, int]:
-        """Reload every non-terminal lease and reconcile it with what is running now."""
-        now = self.clock.now()
-        counts = {"queued": 0, "holding": 0, "failed": 0}
-        procs = self.store.processes()
-        for lease in self.store.live():
-            self.leases[lease.id] = lease
-            lease.last_heartbeat = now  # holders could not heartbeat while we were down
-            lease.last_activity = max(lease.last_activity, now)
-            alive = {p: t for p, t in procs.get(lease.id, {}).items() if same_process(p, t)}
-            lease.pids = sorted(alive)
-            self.enforcer.remember(lease.id, alive)
-            if lease.state in HOLDING:
-                missing = [d for d in lease.devices if d not in self.gpu_by_id]
-                if missing:
-                    self.end(lease, LeaseState.FAILED, "device_gone")
-                    counts["failed"] += 1
-                    continue
-                counts["holding"] += 1
-            else:
-                counts["queued"] += 1
-        self.enforcer.restore_drains(self.store.drains())
-        self._check_no_double_grant()
-        self.schedule()
-        return counts
-
-    def _check_no_double_grant(self) -> None:
-        owner: dict[str, str] = {}
-        for lease in self.leases.values():
-            if lease.state in HOLDING and not lease.request.shared:
-                for d in lease.devices:
-                    if d in owner:
-                        log.error("GPU %s is held by leases %s and %s: revoking the later one", d, owner[d], lease.id)
-                        self.end(lease, LeaseState.FAILED, "double_grant")
-                        break
-                    owner[d] = lease.id
+        self._pass_queued = False
 
     # ------------------------------------------------------------------ requests
     def request(self, who: Identity, body: Any) -> tuple[Lease, str]:
         req = parse_request(body)
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
+        self.check_placeable(req)
+        largest = max((g.memory_total for g in self.gpus), default=0)
+        if req.mem_bytes and largest and req.mem_bytes > largest:
+            raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "
+                             f"{largest / 2**30:.4g}G", reason="too_large")
         now = self.clock.now()
         secret = secrets.token_urlsafe(24)
         lease = Lease(
@@ -120,11 +90,16 @@ class LeaseManager(ManagerViews):
             secret_hash=hash_secret(secret),
         )
         self._seq += 1
+        queue_was_empty = not self.order and not self._pass_queued
         self.store.insert(lease, now)
         self.leases[lease.id] = lease
         log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
         self._emit(lease, None)
-        self.schedule()
+        if queue_was_empty:
+            self.schedule()  # answered granted at once when it fits
+        else:
+            self.order.append(lease.id)  # its position until the pass (which orders by priority and fair share)
+            self.schedule_soon()  # behind others: one pass for every request of this loop iteration
         return lease, secret
 
     def lookup(self, lease_id: str, who: Identity) -> Lease:
@@ -178,20 +153,14 @@ class LeaseManager(ManagerViews):
             raise BadRequest(f"Invalid duration_seconds {duration!r}: must be > 0")
         now = self.clock.now()
         if lease.state == LeaseState.QUEUED:
-            lease.duration_seconds = min(seconds, self.policy.max_duration_seconds)
+            seconds = min(seconds, float(self.policy.limit(lease.user, "max_duration_seconds")))
+            self.policy.check_day_quota(lease.user, lease.gpu_count, seconds)
+            lease.duration_seconds = seconds
             self.store.update(lease)
             return lease
         assert lease.granted_at is not None
-        limit = lease.granted_at + self.policy.max_duration_seconds
         new_expiry = now + seconds
-        if new_expiry > limit + 1e-6:
-            raise Forbidden(
-                f"Renewal refused: lease {lease_id} may not hold GPUs past "
-                f"{self.policy.max_duration_seconds:g} s from its grant (max_duration_seconds); "
-                f"at most {max(0.0, limit - now):.0f} s more",
-                reason="max_duration",
-                extra={"max_expires_at": limit},
-            )
+        self.check_renewal(lease, new_expiry)  # policy: max_duration_seconds, reservations, daily quota
         lease.expires_at = max(lease.expires_at or 0.0, new_expiry)
         lease.duration_seconds = lease.expires_at - lease.granted_at
         self.enforcer.clear_warning(lease.id, "expiry")
@@ -296,7 +265,7 @@ class LeaseManager(ManagerViews):
         self.inventory.forget(lease.id)
         self.planned.pop(lease.id, None)
         if held:
-            self.schedule()
+            self.schedule_soon()
             self._emit_gpus()
 
     def _emit(self, lease: Lease, before: LeaseState | None) -> None:
@@ -354,13 +323,36 @@ class LeaseManager(ManagerViews):
             if lease.state == LeaseState.QUEUED
         ]
 
+    def schedule_soon(self) -> None:
+        """A pass at the next event-loop iteration, one for every change of this one; at once without a loop.
+
+        Under load many requests and releases arrive in one iteration: each used to pay a pass over every
+        GPU and every queued request. A pass queued by a request's answer runs before the broker reads the
+        client's next request, so a client that releases and then asks again sees the GPU handed on.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.schedule()
+            return
+        if not self._pass_queued:
+            self._pass_queued = True
+            loop.call_soon(self._queued_pass)
+
+    def _queued_pass(self) -> None:
+        self._pass_queued = False
+        try:
+            self.schedule()
+        except Exception:  # e.g. the store cannot be written: the next request, release or tick tries again
+            log.exception("Scheduling pass failed")
+
     def schedule(self) -> int:
         pending = self.pending()
-        if not pending:
+        if not pending and not self.preempting and not self.growable():
             self.order, self.planned = [], {}
             return 0
         now = self.clock.now()
-        decision = schedule(pending, self.slots(), self.held_by_user(), self.policy.scheduler_policy(), now)
+        decision = schedule(pending, self.slots(), self.held_by_user(), now=now, **self.schedule_options(now, pending))
         granted = {g.lease_id for g in decision.grants}
         self.order = [lid for lid in decision.order if lid not in granted]
         self.planned = decision.planned_start
@@ -373,13 +365,13 @@ class LeaseManager(ManagerViews):
             lease.last_activity = now
             lease.last_heartbeat = max(lease.last_heartbeat, now)
             self.transition(lease, LeaseState.GRANTED, "granted")
-        if decision.grants:
-            self._emit_gpus()
+        self.after_schedule(decision)
         return len(decision.grants)
 
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Enforce time: expiry, heartbeats, idleness, warnings, kills, drains. Then schedule."""
+        self.inventory.reconcile(self)
         self.enforcer.tick(self.clock.now())
         self.schedule()
 

@@ -9,6 +9,7 @@ from traitlets.config import Configurable
 
 from .errors import BadRequest, Forbidden
 from .lease import LeaseRequest
+from .limits import LimitsPolicy
 from .scheduler import SchedulerPolicy
 
 
@@ -18,7 +19,7 @@ def _positive(name: str, value: float, allow_zero: bool = True) -> float:
     return value
 
 
-class LeasePolicy(Configurable):
+class LeasePolicy(LimitsPolicy, Configurable):
     """Limits every lease request; caps are applied, not negotiated."""
 
     default_duration_seconds = Float(
@@ -124,7 +125,7 @@ class LeasePolicy(Configurable):
 
     # ------------------------------------------------------------------------------------------
     def user_cap(self, user: str) -> float:
-        return float(self.user_max_gpus.get(user, self.max_gpus_per_user))
+        return float(self.limit(user, "max_gpus"))
 
     def scheduler_policy(self) -> SchedulerPolicy:
         return SchedulerPolicy(
@@ -133,6 +134,8 @@ class LeasePolicy(Configurable):
             max_shares_per_gpu=self.max_shares_per_gpu,
             max_leases_per_shared_gpu=self.max_leases_per_shared_gpu,
             backfill_depth=self.backfill_depth,
+            groups_of=self.groups_of,
+            group_cap=self.group_cap,
         )
 
     def apply(self, user: str, req: LeaseRequest, total_gpus: int) -> tuple[LeaseRequest, float, float]:
@@ -143,6 +146,7 @@ class LeasePolicy(Configurable):
         if priority not in self.priority_classes:
             known = ", ".join(sorted(self.priority_classes))
             raise BadRequest(f"Unknown priority class {priority!r}: use one of {known}")
+        self.check_allowed(user, priority)
         if req.min_gpus > total_gpus:
             raise BadRequest(
                 f"Request for {req.min_gpus} GPUs can never be granted: the inventory has {total_gpus}",
@@ -155,11 +159,12 @@ class LeasePolicy(Configurable):
                 f"Request for {need:g} GPUs exceeds your limit of {cap:g} GPUs at once (max_gpus_per_user)",
                 reason="quota",
             )
-        duration = req.duration_seconds or self.default_duration_seconds
-        duration = min(duration, self.max_duration_seconds)
-        idle = req.idle_timeout_seconds or self.default_idle_timeout_seconds
-        if self.max_idle_timeout_seconds:
-            idle = min(idle, self.max_idle_timeout_seconds)
+        duration = req.duration_seconds or self.limit(user, "default_duration_seconds")
+        duration = min(duration, self.limit(user, "max_duration_seconds"))
+        idle = req.idle_timeout_seconds or self.limit(user, "default_idle_timeout_seconds")
+        if self.limit(user, "max_idle_timeout_seconds"):
+            idle = min(idle, self.limit(user, "max_idle_timeout_seconds"))
+        self.check_day_quota(user, need, duration)
         if req.max_gpus > total_gpus:
             req = LeaseRequest(**{**req.to_json(), "max_gpus": total_gpus})
         if priority != req.priority:

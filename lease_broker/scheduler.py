@@ -9,16 +9,20 @@ never partially. Every lease has a time limit, so the scheduler can plan: the
 first ``backfill_depth`` requests that cannot start now reserve the GPUs that free
 up soonest, and later requests may use those GPUs only if they end before the
 reservation starts (EASY backfill), so big requests are not starved by small ones.
+Advance reservations (``windows``) hold their GPUs the same way; daily GPU-second
+budgets and user/group caps bound what a user gets; holding incremental leases grow
+last, into GPUs nobody waiting needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .lease import LeaseRequest
+from .windows import Window, WindowMap
 
 INF = math.inf
 
@@ -75,6 +79,17 @@ class SchedulerPolicy:
     max_shares_per_gpu: float = 1.0
     max_leases_per_shared_gpu: int = 4
     backfill_depth: int = 8
+    groups_of: Callable[[str], Sequence[str]] = lambda user: ()
+    group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
+
+
+@dataclasses.dataclass(frozen=True)
+class Growing:
+    """A holding incremental lease (min_gpus < max_gpus) that may grow toward max_gpus until ``end``."""
+
+    pending: Pending  # its user, request and arrival; ``duration``: GPU-seconds charged per added GPU
+    devices: tuple[str, ...]
+    end: float
 
 
 @dataclasses.dataclass
@@ -82,6 +97,8 @@ class Decision:
     grants: list[Grant] = dataclasses.field(default_factory=list)
     planned_start: dict[str, float] = dataclasses.field(default_factory=dict)  # lease id -> estimate
     order: list[str] = dataclasses.field(default_factory=list)  # queue order, lease ids
+    reserved: dict[str, str] = dataclasses.field(default_factory=dict)  # GPU id -> advance reservation id
+    grown: list[Grant] = dataclasses.field(default_factory=list)  # GPUs added to holding incremental leases
 
 
 def queue_order(
@@ -100,13 +117,25 @@ def schedule(
     policy: SchedulerPolicy,
     now: float,
     usage: Mapping[str, float] | None = None,
+    *,
+    budget: Mapping[str, float] | None = None,
+    reservations: Sequence[Window] = (),
+    growing: Sequence[Growing] = (),
 ) -> Decision:
+    """``usage``: fair-share usage per user (already divided by weight); ``budget``: GPU-seconds each user or
+    ``"@group"`` may still be granted today (absent = unlimited); ``reservations``: advance reservations;
+    ``growing``: holding incremental leases, which grow last (never into GPUs that waiting requests plan on)."""
     state = _State([s.clone() for s in slots], dict(held_by_user), policy, now)  # callers' slots untouched
     decision = Decision()
+    state.budget = dict(budget or {})
+    for gpu_id, w in state.windows.place(reservations).items():
+        decision.reserved[gpu_id] = w.id
     blocked = 0
     for p in queue_order(pending, policy, usage):
         decision.order.append(p.lease_id)
         req = p.request
+        if not req.shared and state.idle_count < req.min_gpus and blocked >= policy.backfill_depth:
+            continue  # no GPU for it and no plan to make: skipping keeps a pass cheap with a long queue
         end = now + p.duration
         if req.shared:
             grant = state.place_shared(p, end)
@@ -116,11 +145,17 @@ def schedule(
             decision.grants.append(grant)
             decision.planned_start[p.lease_id] = now
             continue
-        if not req.shared and blocked < policy.backfill_depth and state.within_cap(p, req.min_gpus):
+        if blocked < policy.backfill_depth and state.within_cap(p, req.fraction if req.shared else req.min_gpus):
             start = state.reserve(p)
             if start < INF:
                 decision.planned_start[p.lease_id] = start
             blocked += 1
+    by_id = {g.pending.lease_id: g for g in growing}
+    for p in queue_order([g.pending for g in growing], policy, usage):
+        g = by_id[p.lease_id]
+        grant = state.grow(g)
+        if grant is not None:
+            decision.grown.append(grant)
     return decision
 
 
@@ -136,31 +171,65 @@ class _State:
         self.reserved_from: dict[str, float] = {}  # slot id -> earliest reservation start
         self.busy_until: dict[str, float] = {}  # slot id -> when its reservation ends
         self.nodes: dict[str, list[Slot]] = {}
+        self.budget: dict[str, float] = {}
+        self.windows = WindowMap(slots, now)  # advance reservations: which GPUs each one holds
+        self._groups: dict[str, Sequence[str]] = {}
+        self.gheld: dict[str, float] = {}
+        for user, n in held.items():
+            for g in self.groups(user):
+                self.gheld[g] = self.gheld.get(g, 0.0) + n
+        self.idle_count = 0  # an upper bound of the GPUs an exclusive request can get: skips hopeless scans
         for s in slots:
             self.nodes.setdefault(s.node, []).append(s)
+            self.idle_count += s.idle
         for members in self.nodes.values():
             members.sort(key=lambda s: s.index)
 
     # --- caps ------------------------------------------------------------------------------
+    def groups(self, user: str) -> Sequence[str]:
+        if user not in self._groups:
+            self._groups[user] = self.policy.groups_of(user)
+        return self._groups[user]
+
     def within_cap(self, p: Pending, count: float) -> bool:
-        cap = self.policy.user_cap(p.user)
-        return cap <= 0 or self.held.get(p.user, 0.0) + count <= cap + 1e-9
+        return self._cap_room(p) + 1e-9 >= count
 
     def _cap_room(self, p: Pending) -> float:
+        """How many GPUs ``p`` may still get: user and group caps, and GPU-seconds left today."""
         cap = self.policy.user_cap(p.user)
-        return INF if cap <= 0 else cap - self.held.get(p.user, 0.0)
+        room = INF if cap <= 0 else cap - self.held.get(p.user, 0.0)
+        left = self.budget.get(p.user)
+        if left is not None:
+            room = min(room, left / max(p.duration, 1e-9))
+        for g in self.groups(p.user):
+            gcap = self.policy.group_cap(g)
+            if gcap > 0:
+                room = min(room, gcap - self.gheld.get(g, 0.0))
+            left = self.budget.get("@" + g)
+            if left is not None:
+                room = min(room, left / max(p.duration, 1e-9))
+        return room
+
+    def _charge(self, p: Pending, count: float) -> None:
+        self.held[p.user] = self.held.get(p.user, 0.0) + count
+        if p.user in self.budget:
+            self.budget[p.user] -= count * p.duration
+        for g in self.groups(p.user):
+            self.gheld[g] = self.gheld.get(g, 0.0) + count
+            if "@" + g in self.budget:
+                self.budget["@" + g] -= count * p.duration
 
     # --- exclusive -------------------------------------------------------------------------
-    def _usable(self, s: Slot, end: float) -> bool:
-        return s.idle and self.reserved_from.get(s.id, INF) >= end
+    def _usable(self, s: Slot, end: float, user: str = "") -> bool:
+        return s.idle and self.reserved_from.get(s.id, INF) >= end and self.windows.ok(s, end, user)
 
     def place_exclusive(self, p: Pending, end: float) -> Grant | None:
         req = p.request
         room = self._cap_room(p)
-        if room < req.min_gpus:
+        if room < req.min_gpus or self.idle_count < req.min_gpus:
             return None
-        want_max = int(min(req.max_gpus, room))
-        free_by_node = {n: [s for s in members if self._usable(s, end)] for n, members in self.nodes.items()}
+        want_max = int(min(req.max_gpus, room + 1e-9))
+        free_by_node = {n: [s for s in members if self._usable(s, end, p.user)] for n, members in self.nodes.items()}
         chosen: list[Slot] | None = None
         fitting = [(len(free), n) for n, free in free_by_node.items() if len(free) >= req.min_gpus]
         if fitting:
@@ -185,17 +254,42 @@ class _State:
         for s in chosen:
             s.exclusive = True
             s.free_at = end
-        self.held[p.user] = self.held.get(p.user, 0.0) + len(chosen)
+        self.idle_count -= len(chosen)
+        self._charge(p, len(chosen))
         nodes = sorted({s.node for s in chosen})
         return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
 
+    def grow(self, g: Growing) -> Grant | None:
+        """Idle GPUs for a holding incremental lease, up to its max_gpus, on its node (any node with locality
+        'any'), connected to what it holds where possible; none that a waiting request or a reservation needs."""
+        p, req = g.pending, g.pending.request
+        want = int(min(req.max_gpus - len(g.devices), self._cap_room(p) + 1e-9))
+        if want <= 0:
+            return None
+        nodes = {self.by_id[d].node for d in g.devices if d in self.by_id}
+        free = [s for s in self.slots if self._usable(s, g.end, p.user) and (req.locality == "any" or s.node in nodes)]
+        if not free:
+            return None
+        groups = {self.by_id[d].link_group for d in g.devices if d in self.by_id}
+        free.sort(key=lambda s: (s.node not in nodes, s.link_group not in groups, s.node, s.index))
+        chosen = free[:want]
+        for s in chosen:
+            s.exclusive = True
+            s.free_at = g.end
+        self._charge(p, len(chosen))
+        return Grant(p.lease_id, tuple(s.id for s in chosen), ",".join(sorted(nodes | {s.node for s in chosen})))
+
     def reserve(self, p: Pending) -> float:
-        """Plan the earliest start of a blocked exclusive request and reserve those GPUs."""
-        k = p.request.min_gpus
+        """Plan the earliest start of a blocked request and reserve those GPUs (a whole one for a shared request:
+        it may then start on a GPU that others share, or on that one)."""
+        k = 1 if p.request.shared else p.request.min_gpus
         best: tuple[float, list[Slot]] = (INF, [])
 
         def ready(s: Slot) -> float:
             base = self.now if s.idle else (s.free_at if s.available or s.free_at < INF else INF)
+            for w in self.windows.of.get(s.id, ()):  # another's reservation: before it if it fits, else after it
+                if p.user not in w.members and base + p.duration > w.start:
+                    base = max(base, w.end)
             return max(base, self.busy_until.get(s.id, self.now))
 
         groups: list[list[Slot]] = list(self.nodes.values())
@@ -226,7 +320,9 @@ class _State:
         for s in self.slots:
             if not s.available or s.exclusive:
                 continue
-            if s.n_shared == 0 and self.reserved_from.get(s.id, INF) < end:
+            if self.reserved_from.get(s.id, INF) < end:  # planned for a waiting request: only if it ends first
+                continue
+            if not self.windows.ok(s, end, p.user):
                 continue
             mem = req.mem_bytes or int(req.fraction * s.memory_total)
             if s.shares + req.fraction > pol.max_shares_per_gpu + 1e-9:
@@ -241,11 +337,12 @@ class _State:
                 best, best_key = s, key
         if best is None:
             return None
+        self.idle_count -= best.idle
         best.shares += req.fraction
         best.n_shared += 1
         best.mem_used += req.mem_bytes or int(req.fraction * best.memory_total)
         best.free_at = max(best.free_at, end)
-        self.held[p.user] = self.held.get(p.user, 0.0) + req.fraction
+        self._charge(p, req.fraction)
         return Grant(p.lease_id, (best.id,), best.node)
 
 

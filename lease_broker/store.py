@@ -7,6 +7,8 @@ lease and appends to its history. ``:memory:`` for unit tests.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 from collections.abc import Iterator
 from typing import Any
@@ -131,11 +133,28 @@ class StoreError(Unavailable):
     reason = "store_unavailable"
 
 
+def _private_file(path: str) -> None:
+    """Create the store 0600 (SQLite gives its -wal/-shm files the same mode); tighten an older one."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise StoreError(f"Cannot open the lease store {path!r}: {e.strerror}. Point LeaseBroker.db_path (--db) "
+                         "at a file the broker can write") from e
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            logging.getLogger("lease_broker").warning("Lease store %s was readable by others: mode set to 0600", path)
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 class Store:
     """SQLite persistence. Every method is one transaction."""
 
     def __init__(self, path: str = ":memory:") -> None:
         self.path = path
+        if path != ":memory:":
+            _private_file(path)
         try:
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=2.0)
             if path != ":memory:":
@@ -306,12 +325,14 @@ class _Tx:
                 self.db.execute("COMMIT")
                 return
             except sqlite3.Error as e:
-                self.db.execute("ROLLBACK")
+                if self.db.in_transaction:  # SQLite already rolled back on SQLITE_FULL/IOERR
+                    self.db.execute("ROLLBACK")
                 raise StoreError(
                     f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
                     "Free disk space or stop the other process that locks it."
                 ) from e
-        self.db.execute("ROLLBACK")
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
             raise StoreError(
                 f"The lease store {self.path!r} cannot be written ({exc}); nothing was changed. "

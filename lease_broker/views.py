@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock
+from .fractional import shared_env
 from .identity import Identity
 from .inventory import GPU, GpuSample, Inventory
 from .lease import HOLDING, Lease, LeaseState
@@ -33,6 +34,8 @@ def lease_view(
     position: int | None = None,
     estimate: float | None = None,
     idle_deadline: float | None = None,
+    placement: dict[str, Any] | None = None,
+    mps: bool = False,
 ) -> dict[str, Any]:
     req = lease.request
     devices = [
@@ -67,16 +70,11 @@ def lease_view(
         "position": position,
         "estimated_start": estimate,
         "env": {"CUDA_VISIBLE_DEVICES": visible_devices} if lease.devices else {},
+        "placement": placement,
     }
-    if req.shared:
-        out["env"].update(
-            {
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, int(round(req.fraction * 100)))),
-                "GPULEASE_MEMORY_FRACTION": f"{req.fraction:g}",
-            }
-        )
-        if req.mem_bytes:
-            out["env"]["GPULEASE_MEMORY_LIMIT"] = str(req.mem_bytes)
+    if req.shared and lease.devices:
+        gpu = gpus.get(lease.devices[0])
+        out["env"].update(shared_env(req, gpu.memory_total if gpu else 0, mps))
     return out
 
 
@@ -163,7 +161,13 @@ class ManagerViews:
             position=position,
             estimate=estimate,
             idle_deadline=idle_deadline,
+            placement=self.inventory.placement(lease),
+            mps=lease.request.shared and self.mps_enabled(),
         )
+
+    def mps_enabled(self) -> bool:
+        """Whether shared leases get CUDA MPS limits (the policy says so, or 'auto' and MPS runs)."""
+        return False
 
     def gpu_states(self) -> dict[str, tuple[str, list[Lease]]]:
         holders: dict[str, list[Lease]] = {}

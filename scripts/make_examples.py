@@ -73,8 +73,9 @@ QUICKSTART = [
 SEARCH = [
     new_markdown_cell(
         "# Hyper-parameter search that grows with the free GPUs\n\n"
-        "`jupyter_gpulease.map` runs each trial on its own lease, at most `max_gpus` at once: it starts with "
-        "what is free and runs more trials as GPUs free up. Results come back in order."
+        "`jupyter_gpulease.map` holds one incremental lease of 1 to `max_gpus` GPUs: it starts with what is "
+        "free, and as the broker grows the lease it runs more trials at once, each in its own worker on its own "
+        "GPU. Results come back in order."
     ),
     new_code_cell("%load_ext jupyter_gpulease\nimport jupyter_gpulease\n%gpu status"),
     new_code_cell(

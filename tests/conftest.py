@@ -43,5 +43,31 @@ def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c.close()
 
 
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator:
+    """A real local Ray cluster (head 127.0.0.2 with 4 declared GPUs, 127.0.0.3 with 2), started once and
+    shared by every test that uses Ray (tests/test_ray.py, the inventory contract)."""
+    from ray_cluster import local_ray_cluster, ray_missing
+
+    why = ray_missing()
+    if why:
+        pytest.skip(why)
+    with local_ray_cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator:
+    """A real Slurm (munged, slurmctld, slurmd n1 with 4 fake GPUs and n2 with 2) under a temporary directory,
+    started once and shared by every test that uses Slurm (tests/test_slurm.py, the inventory contract)."""
+    from slurm_cluster import local_slurm_cluster, slurm_missing
+
+    why = slurm_missing()
+    if why:
+        pytest.skip(why)
+    with local_slurm_cluster() as c:
+        yield c
+
+
 # pytest-jupyter's fixtures (jp_fetch, jp_serverapp, ...) for the server extension tests
 pytest_plugins = ["pytest_jupyter.jupyter_server"]

@@ -86,13 +86,22 @@ class Kernel:
                 continue
             t = msg["msg_type"]
             if t == "status" and msg["content"]["execution_state"] == "idle":
-                reply = self.kc.get_shell_msg(timeout=10)
+                reply = self._reply(msg_id)
                 return Reply(reply["content"]["status"], outputs, reply["content"])
             if t in ("stream", "error", "execute_result", "display_data", "update_display_data"):
                 outputs.append(msg)
                 if until is not None and until(outputs):
                     return Reply("partial", outputs)
         raise TimeoutError(f"cell {msg_id} did not finish within {timeout} s; outputs so far: {outputs}")
+
+    def _reply(self, msg_id: str) -> dict[str, Any]:
+        """The shell reply to ``msg_id``: earlier replies (e.g. the extra kernel_info replies that
+        ``wait_for_ready`` may leave behind) are skipped, not taken for this cell's."""
+        deadline = time.monotonic() + 10
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return dict(reply)
 
     def run(self, code: str, timeout: float = 60.0) -> Reply:
         return self.collect(self.submit(code), timeout)

@@ -49,18 +49,17 @@ def test_map_uses_more_gpus_as_they_free_up(kernel: Kernel) -> None:
     c = kernel.broker.client()  # type: ignore[attr-defined]
     held = c.request_lease(1, heartbeat=False)  # one of the two GPUs is busy when the search starts
     r = kernel.run(
-        "import jupyter_gpulease, time, threading\n"
-        "def trial(p):\n    time.sleep(0.3)\n    return p * p\n"
+        "import jupyter_gpulease, os, time, threading\n"
+        "def trial(p):\n    time.sleep(0.3)\n    return p * p, os.environ['CUDA_VISIBLE_DEVICES']\n"
         "def free_later():\n    time.sleep(0.8)\n"
         f"    from jupyter_gpulease.client import BrokerClient\n    BrokerClient().release({held['id']!r})\n"
         "threading.Thread(target=free_later).start()\n"
-        "t = time.time()\nres = jupyter_gpulease.map(trial, range(6), gpus_per_call=1, max_gpus=2)\n"
-        "print(res)\n"
+        "res = jupyter_gpulease.map(trial, range(6), gpus_per_call=1, max_gpus=2)\n"
+        "print([v for v, _ in res], len({d for _, d in res}), {d.count(',') for _, d in res})\n"
     )
     assert r.status == "ok", r.outputs
-    assert "[0, 1, 4, 9, 16, 25]" in r.stdout
-    granted = {}
-    for x in c.leases(ended=20):
-        if x["labels"].get("source") == "api":
-            granted[x["id"]] = x["devices"][0]["index"]
-    assert len(granted) == 6 and set(granted.values()) == {0, 1}  # both GPUs used once the second freed
+    # every trial saw one GPU; both GPUs were used once the second freed
+    assert "[0, 1, 4, 9, 16, 25] 2 {0}" in r.stdout
+    mine = [x for x in c.leases(ended=20) if x["labels"].get("source") == "api"]
+    assert len(mine) == 1 and (mine[0]["min_gpus"], mine[0]["max_gpus"]) == (1, 2)
+    assert len(mine[0]["devices"]) == 2 and mine[0]["state"] == "released"  # one lease, grown to both GPUs

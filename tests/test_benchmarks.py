@@ -58,3 +58,13 @@ def test_quick_enforcement_benchmark_sees_every_lease_revoked_or_expired(tmp_pat
     assert fig["name"].startswith("idle revocation") and fig["n"] == 5 and fig["baseline"]["n"] == 5
     assert fig["min"] >= 0 and fig["baseline"]["min"] >= 0  # never taken back before its deadline
     assert "<!-- bench:enforcement -->" in out.read_text()
+
+
+def test_backends_benchmark_measures_the_single_host_and_lists_engines(tmp_path: Path) -> None:
+    """The single-host column of the backends module (the engines' columns run in `make bench`)."""
+    from benchmarks.backends import BACKENDS, Backend, SingleHost, measure
+
+    m = measure(SingleHost(), str(tmp_path), rounds=2, workers=1)
+    assert len(m["grant"]) == len(m["release"]) == 2 and len(m["worker"]) == 1
+    assert all(v > 0 for vs in m.values() for v in vs)
+    assert BACKENDS and all(issubclass(b, Backend) and b.name != Backend.name for b in BACKENDS)

@@ -197,3 +197,16 @@ def test_expiry_warning_notifies_with_an_extend_action(lab, page, client):
     before = client.lease(lease["id"])["expires_at"]
     toast.get_by_role("button", name="Extend").click()
     assert wait_until(lambda: client.lease(lease["id"])["expires_at"] > before), "Extend did not renew the lease"
+
+
+def test_reserved_gpus_show_for_whom(lab, page, client):
+    open_panel(page, lab)
+    r = client.request("POST", "/api/v1/reservations", {"gpus": 2, "user": "alice", "duration_seconds": "2h"})
+    reserved = page.locator('#gpulease-panel .jp-GpuLease-card[data-state="reserved"]')
+    expect(reserved).to_have_count(2)
+    expect(reserved.first.locator(".jp-GpuLease-state")).to_contain_text("reserved for alice")
+    expect(status_item(page)).to_have_text("GPUs 2/4 free")
+    page.screenshot(path=str(ARTIFACTS / "sidebar-reserved.png"))
+    client.request("DELETE", f"/api/v1/reservations/{r['id']}")
+    expect(reserved).to_have_count(0)
+    expect(status_item(page)).to_have_text("GPUs 4/4 free")

@@ -1,11 +1,24 @@
-"""What every inventory promises the broker, checked against each backend:
-the simulated inventory, the NVML inventory over the fake libnvidia-ml, and the NVML
-inventory over the real driver when this machine has an NVIDIA GPU."""
+"""What every inventory promises the broker, checked against each backend: one contract, several
+implementations.
+
+- single host: the simulated inventory, the NVML inventory over the fake libnvidia-ml, and the NVML
+  inventory over the real driver when this machine has an NVIDIA GPU;
+- a cluster on Ray: the Ray inventory over a real local Ray cluster (two loopback nodes with declared GPUs,
+  the session's ``ray_cluster`` fixture), where a grant is also a placement group;
+- a cluster on Slurm: the Slurm inventory over a real local Slurm (slurmctld and two slurmd with fake GPUs,
+  the session's ``slurm_cluster`` fixture), where a grant is also an allocation (``salloc --no-shell``).
+
+The contract: a stable, complete device list; a sample for every device; a ``CUDA_VISIBLE_DEVICES`` value
+that names exactly the given devices (in the backend's own form); activity and drain judged from the
+lease's processes; and, through a real ``LeaseManager``, distinct devices per grant, a placement (None on a
+single host, the engine's reservation on a cluster) that is made when the lease is granted and undone when
+it ends, with the engine's own count of free GPUs following.
+"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +34,15 @@ from nvml_helpers import (
     wait_for,
 )
 
+from lease_broker.identity import Identity
 from lease_broker.inventory import Inventory
 from lease_broker.inventory.simulated import SimulatedInventory
+from lease_broker.lease import LeaseState
+from lease_broker.manager import LeaseManager
+from lease_broker.policy import LeasePolicy
+from lease_broker.store import Store
+
+UUID = r"(GPU|MIG)-[0-9a-f-]{36}"
 
 
 @dataclass
@@ -34,6 +54,11 @@ class Backend:
     fake: FakeNvml | None = None
     can_drive_gpu: bool = False
     workers: list[Worker] = field(default_factory=list)
+    #: what one entry of ``visible_devices`` looks like: a UUID on a host; on a cluster the index on the node
+    #: (the engine gives the process in the reservation its own devices)
+    visible: str = UUID
+    #: the engine's own count of free GPUs (Ray's available resources; Slurm's idle GRES); None: no engine
+    engine_free: Callable[[], float] | None = None
 
     def busy(self, w: Worker, on: bool) -> None:
         w.busy(on)
@@ -54,10 +79,36 @@ class Backend:
             self.fake.write()
 
 
-@pytest.fixture(params=["simulated", "nvml-fake", "nvml-real"])
+# single host: simulated, nvml-*; cluster: ray, slurm
+BACKENDS = ["simulated", "nvml-fake", "nvml-real", "ray", "slurm"]
+
+
+def _ray_free() -> float:
+    import ray
+
+    return float(ray.available_resources().get("GPU", 0.0))
+
+
+@pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
     if request.param == "simulated":
         b = Backend("simulated", SimulatedInventory(gpus=4, activity_cpu_seconds=0.02))
+    elif request.param == "ray":
+        from ray_cluster import HEAD
+
+        cluster = request.getfixturevalue("ray_cluster")  # skips when ray is not installed
+        from lease_broker.inventory.ray import RayInventory
+
+        inv = RayInventory(address=cluster.address, node_ip=HEAD, activity_cpu_seconds=0.02, placement_timeout=60)
+        b = Backend("ray", inv, visible=r"\d+", engine_free=_ray_free)
+    elif request.param == "slurm":
+        slurm = request.getfixturevalue("slurm_cluster")  # skips (with the reason) when not root or not installed
+        for k, v in slurm.env.items():
+            monkeypatch.setenv(k, v)
+        from lease_broker.inventory.slurm import SlurmInventory
+
+        inv = SlurmInventory(activity_cpu_seconds=0.02, placement_timeout=60, job_prefix="glcontract")
+        b = Backend("slurm", inv, visible=r"\d+", engine_free=slurm.free_gpus)
     else:
         from lease_broker.inventory.nvml import NVMLInventory
 
@@ -76,7 +127,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.
     for w in b.workers:
         w.kill()
     b.inv.close()
-    if request.param != "simulated":
+    if request.param.startswith("nvml"):
         use_library(None)
 
 
@@ -116,11 +167,16 @@ def test_sample_reports_every_gpu(backend: Backend) -> None:
         assert s.healthy and 0 <= s.utilization <= 100 and 0 <= s.memory_used <= g.memory_total
 
 
-def test_visible_devices_are_uuids(backend: Backend) -> None:
+def test_visible_devices_name_exactly_the_given_gpus(backend: Backend) -> None:
     gpus = backend.inv.discover()
     value = backend.inv.visible_devices(gpus[:2])
-    assert value.split(",") == [g.id for g in gpus[:2]]
-    assert all(re.fullmatch(r"(GPU|MIG)-[0-9a-f-]{36}", part) for part in value.split(","))
+    parts = value.split(",")
+    assert len(parts) == 2 and len(set(parts)) == 2
+    assert all(re.fullmatch(backend.visible, part) for part in parts), value
+    if backend.visible == UUID:
+        assert parts == [g.id for g in gpus[:2]]
+    else:  # indices on the node, as the node counts its devices
+        assert parts == [str(g.index) for g in gpus[:2]]
 
 
 def test_lease_active_follows_the_work_of_its_processes(backend: Backend, tmp_path: Path) -> None:
@@ -158,3 +214,42 @@ def test_is_drained_only_when_the_processes_are_gone(backend: Backend, tmp_path:
         return backend.inv.is_drained(gpu, [w.pid], backend.inv.sample())
 
     wait_for(drained, timeout=30, what="GPU drained after the lease's process is gone")
+
+
+# ------------------------------------------------------------------------------ placement, through the manager
+ALICE = Identity("alice", uid=1001)
+
+
+def test_grants_are_placed_on_distinct_devices_and_unplaced_when_they_end(backend: Backend) -> None:
+    if backend.name == "nvml-real":
+        pytest.skip("real NVML: the machine's GPUs may be busy; the fake library covers this")
+    m = LeaseManager(Store(":memory:"), backend.inv, LeasePolicy(heartbeat_timeout=300.0))
+    m.restore()
+    m.tick()  # an engine's inventory hooks into the manager on its first tick
+    free_before = backend.engine_free() if backend.engine_free else None
+    a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    b, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    assert a.state == b.state == LeaseState.GRANTED
+    assert len(a.devices) == len(b.devices) == 1 and set(a.devices).isdisjoint(b.devices)
+
+    def placed(lease: object) -> dict | None:
+        m.tick()
+        return m.view(lease)["placement"]  # type: ignore[arg-type]
+
+    if backend.engine_free is None:  # a single host: the grant is the placement
+        assert placed(a) is None and placed(b) is None
+    else:
+        for lease in (a, b):
+            p = wait_for(lambda lease=lease: (v := placed(lease)) and v["state"] == "ready" and v, timeout=60,
+                         what=f"{lease.id} placed by the engine")
+            assert p["kind"] == backend.name
+            assert [bd["node"] for bd in p["bundles"]] == [m.gpu_by_id[lease.devices[0]].node]
+        wait_for(lambda: backend.engine_free() == free_before - 2, timeout=30,  # type: ignore[misc]
+                 what="the engine to count two GPUs as taken")
+    m.release(a.id, ALICE)
+    m.release(b.id, ALICE)
+    assert m.view(a)["placement"] is None and m.view(b)["placement"] is None
+    if backend.engine_free is not None:
+        wait_for(lambda: backend.engine_free() == free_before, timeout=30,  # type: ignore[misc]
+                 what="the engine to free the GPUs of ended leases")
+    m.store.close()

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +37,7 @@ METHODS = ("get", "post", "put", "patch", "delete", "head", "options")
 SPEC_URI = "urn:gpulease:openapi"
 REGISTRY = Registry().with_resource(SPEC_URI, Resource.from_contents(SPEC, default_specification=DRAFT202012))
 LEASE_ID_GROUP = "([A-Za-z0-9_-]{1,64})"
+RESERVATION_ID_GROUP = "(r-[A-Za-z0-9_-]{1,62})"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -46,7 +48,7 @@ def routes() -> list[tuple[str, type[web.RequestHandler]]]:
 
 def templates(regex: str) -> list[str]:
     """OpenAPI path templates of a tornado route: the lease id group becomes {lease_id}; (a|b) expands."""
-    text = regex.replace(LEASE_ID_GROUP, "{lease_id}")
+    text = regex.replace(LEASE_ID_GROUP, "{lease_id}").replace(RESERVATION_ID_GROUP, "{reservation_id}")
     parts = re.split(r"\(([A-Za-z_|]+)\)", text)
     literals, choices = parts[0::2], [p.split("|") for p in parts[1::2]]
     out = []
@@ -158,7 +160,7 @@ def test_every_route_is_documented_and_every_documented_path_is_served() -> None
     )
     # each documented path, filled in, is matched by exactly the route it was derived from
     for template in SPEC["paths"]:
-        concrete = template.replace("{lease_id}", "l-0123456789ab")
+        concrete = template.replace("{lease_id}", "l-0123456789ab").replace("{reservation_id}", "r-0123456789")
         matching = [regex for regex, _ in routes() if re.fullmatch(regex, concrete)]
         assert len(matching) == 1, (template, matching)
 
@@ -380,12 +382,20 @@ def test_generated_requests_get_documented_answers(tcp_broker: tuple[Any, int, s
     conformance = [not_a_server_error, status_code_conformance, content_type_conformance,
                    response_schema_conformance, response_headers_conformance]
 
+    # ``make soak`` raises the examples per operation and mode; the figures go to BENCHMARKS.md
+    examples = int(os.environ.get("GPULEASE_FUZZ_EXAMPLES", "25"))
+    tried: dict[str, int] = {}
+    statuses: dict[int, int] = {}
+
     def exercise(op: Any, mode: Any, checks: list[Any]) -> None:
-        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                   phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy(generation_mode=mode))
         def run(case: Any) -> None:
             response = case.call(base_url=base_url, headers=headers, timeout=30)
+            key = f"{op.method.upper()} {op.path} {mode.name.lower()}"
+            tried[key] = tried.get(key, 0) + 1
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             case.validate_response(response, checks=checks)
 
         run()
@@ -399,6 +409,14 @@ def test_generated_requests_get_documented_answers(tcp_broker: tuple[Any, int, s
         ran += 1
         raw = SPEC["paths"][op.path][op.method.lower()]
         if raw.get("parameters") or raw.get("requestBody"):  # else there is nothing to make invalid
-            exercise(op, GenerationMode.NEGATIVE, [not_a_server_error])
+            # invalid input: never a 5xx, and the 4xx answer is the documented error (schema, media type)
+            exercise(op, GenerationMode.NEGATIVE,
+                     [not_a_server_error, content_type_conformance, response_schema_conformance])
             ran += 1
     assert ran >= 15 + 9
+    assert not [code for code in statuses if code >= 500], statuses
+    if os.environ.get("GPULEASE_FUZZ_STATS"):
+        Path(os.environ["GPULEASE_FUZZ_STATS"]).write_text(json.dumps(
+            {"examples_per_operation_and_mode": examples, "runs": ran, "inputs": sum(tried.values()),
+             "operations": len({k.rsplit(" ", 1)[0] for k in tried}), "by_operation": tried,
+             "statuses": {str(k): v for k, v in sorted(statuses.items())}}, indent=1))

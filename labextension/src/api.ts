@@ -74,6 +74,8 @@ export interface IGpu {
   state: string;
   simulated: boolean;
   holders: IHolder[];
+  /** While state is 'reserved': the open advance reservation the GPU is held for. */
+  reservation?: { id: string; user: string; group: string; end: number };
 }
 
 export interface ISummary {

@@ -26,7 +26,12 @@ export function gpuStatus(model: GpuLeaseModel, gpu: IGpu): { kind: string; text
     return { kind: 'draining', text: 'draining' };
   }
   if (gpu.state === 'reserved') {
-    return { kind: 'reserved', text: 'reserved' };
+    const r = gpu.reservation;
+    if (!r) {
+      return { kind: 'reserved', text: 'reserved' };
+    }
+    const who = r.user ? (r.user === model.info?.user?.name ? 'you' : r.user) : `@${r.group}`;
+    return { kind: 'reserved', text: `reserved for ${who} · ${formatDuration(r.end - now)} left` };
   }
   if (gpu.state === 'shared') {
     const users = [...new Set(gpu.holders.map(x => (x.mine ? 'you' : x.user)))].join(', ');

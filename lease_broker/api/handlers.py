@@ -45,6 +45,8 @@ class BaseHandler(web.RequestHandler):
             data = json.loads(self.request.body)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"Malformed JSON body: {e}") from None
+        except RecursionError:
+            raise BadRequest("Malformed JSON body: nested too deeply") from None
         if not isinstance(data, dict):
             raise BadRequest(f"Request body must be a JSON object, not {type(data).__name__}")
         return data
@@ -127,12 +129,14 @@ class LeasesHandler(BaseHandler):
         except ValueError:
             raise BadRequest(f"Invalid ended={self.get_query_argument('ended')!r}: give a count") from None
         leases = self.manager.list_leases(self.who, everyone=everyone, include_ended=max(0, min(ended, 1000)))
-        self.reply({"leases": [self.manager.view(lease) for lease in leases]})
+        self.reply({"leases": [self.manager.view(lease, self.who) for lease in leases]})
 
     async def post(self) -> None:
         body = self.body()
         wait = parse_duration(body.pop("wait_seconds", 0), "wait_seconds")
         lease, secret = self.manager.request(self.who, body)
+        if lease.state == LeaseState.QUEUED:
+            await asyncio.sleep(0)  # the pass it queued runs first (one pass for all requests of the iteration)
         if wait and lease.state == LeaseState.QUEUED:
             lease = await self.manager.wait(lease, min(wait, MAX_WAIT))
         view = self.manager.view(lease)
@@ -146,7 +150,7 @@ class LeaseHandler(BaseHandler):
         wait = self.query_float("wait", 0.0)
         if wait and lease.state == LeaseState.QUEUED:
             lease = await self.manager.wait(lease, min(wait, MAX_WAIT))
-        self.reply(self.manager.view(lease))
+        self.reply(self.manager.view(lease, self.who))
 
     def delete(self, lease_id: str) -> None:
         reason = self.get_query_argument("reason", "released")
@@ -270,6 +274,8 @@ class NotFoundHandler(BaseHandler):
 
 
 def default_handlers(prefix: str = "/api/v1") -> list[tuple[str, type[web.RequestHandler]]]:
+    from .admin import admin_handlers  # policy, reservations, usage (they build on BaseHandler)
+
     return [
         (prefix + r"/info", InfoHandler),
         (prefix + r"/gpus", GpusHandler),
@@ -281,4 +287,5 @@ def default_handlers(prefix: str = "/api/v1") -> list[tuple[str, type[web.Reques
         (prefix + r"/events", EventsHandler),
         (prefix + r"/events/stream", EventStreamHandler),
         (prefix + r"/openapi.json", OpenAPIHandler),
+        *admin_handlers(prefix),
     ]

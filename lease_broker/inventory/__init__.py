@@ -1,4 +1,4 @@
-"""Inventories: where the GPUs come from (NVML on a real host, a simulated one, a Ray cluster).
+"""Inventories: where the GPUs come from (NVML on a real host, a simulated one, a Ray or Slurm cluster).
 
 An inventory is a small configurable class chosen by entry-point name
 (group ``jupyter_gpulease.inventories``). The broker owns leases and policy; the
@@ -95,6 +95,14 @@ class Inventory(LoggingConfigurable):
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "simulated": self.simulated}
 
+    # --- inventories that place grants on another engine (Ray, Slurm) ---------------------------
+    def placement(self, lease: Any) -> dict[str, Any] | None:
+        """Where a holding lease was placed, for its holder (the lease view's ``placement``); None: here."""
+        return None
+
+    def reconcile(self, manager: Any) -> None:
+        """Called on every broker tick, on the event loop: reflect changes of the engine in the manager."""
+
     def close(self) -> None:
         pass
 
@@ -109,7 +117,9 @@ def inventory_class(name: str) -> type[Inventory]:
     else:
         eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
         builtin = {"simulated": "lease_broker.inventory.simulated:SimulatedInventory",
-                   "nvml": "lease_broker.inventory.nvml:NVMLInventory"}
+                   "nvml": "lease_broker.inventory.nvml:NVMLInventory",
+                   "ray": "lease_broker.inventory.ray:RayInventory",
+                   "slurm": "lease_broker.inventory.slurm:SlurmInventory"}
         if name in eps:
             cls = eps[name].load()
         elif name in builtin:

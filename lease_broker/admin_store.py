@@ -1,0 +1,160 @@
+"""SQL of the admin features, on the lease store's connection: reservations, the policy audit, preemptions,
+and the history queries behind fair share, daily quotas and the usage report.
+
+Additive tables (``CREATE TABLE IF NOT EXISTS``), so an older store opens unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .lease import LeaseRequest
+from .store import Store
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS reservations (
+    id TEXT PRIMARY KEY,
+    user TEXT NOT NULL DEFAULT '',
+    grp TEXT NOT NULL DEFAULT '',
+    gpus INTEGER NOT NULL,
+    start REAL NOT NULL,
+    end REAL NOT NULL,
+    created_by TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    note TEXT NOT NULL DEFAULT '',
+    cancelled_at REAL
+);
+CREATE TABLE IF NOT EXISTS policy_audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    who TEXT NOT NULL,
+    source TEXT NOT NULL,
+    diff TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS preemptions (
+    lease_id TEXT PRIMARY KEY,
+    by_lease TEXT NOT NULL,
+    by_user TEXT NOT NULL,
+    by_class TEXT NOT NULL,
+    warned_at REAL NOT NULL,
+    deadline REAL NOT NULL
+);
+"""
+
+
+@dataclasses.dataclass
+class Reservation:
+    id: str
+    user: str
+    group: str
+    gpus: int
+    start: float
+    end: float
+    created_by: str
+    created_at: float
+    note: str = ""
+    cancelled_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _gpus(request_json: str, devices_json: str) -> float:
+    req = LeaseRequest(**json.loads(request_json))
+    if req.shared:
+        return min(req.fraction, 1.0)
+    return float(len(json.loads(devices_json)) or req.min_gpus)
+
+
+class AdminStore:
+    """The admin tables, sharing the lease store's SQLite connection (and its transactions)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.db = store.db
+        self.db.executescript(_SCHEMA)
+
+    # --- reservations --------------------------------------------------------------------------
+    def add_reservation(self, r: Reservation) -> None:
+        with self.store._tx() as db:
+            db.execute(
+                "INSERT INTO reservations VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (r.id, r.user, r.group, r.gpus, r.start, r.end, r.created_by, r.created_at, r.note, r.cancelled_at),
+            )
+
+    def cancel_reservation(self, rid: str, at: float) -> None:
+        with self.store._tx() as db:
+            db.execute("UPDATE reservations SET cancelled_at=? WHERE id=?", (at, rid))
+
+    def reservations(self, since: float = 0.0, include_cancelled: bool = False) -> list[Reservation]:
+        q = "SELECT * FROM reservations WHERE end > ?" + ("" if include_cancelled else " AND cancelled_at IS NULL")
+        return [Reservation(*r) for r in self.db.execute(q + " ORDER BY start, id", (since,))]
+
+    def reservation(self, rid: str) -> Reservation | None:
+        r = self.db.execute("SELECT * FROM reservations WHERE id=?", (rid,)).fetchone()
+        return Reservation(*r) if r else None
+
+    # --- policy audit --------------------------------------------------------------------------
+    def audit(self, at: float, who: str, source: str, diff: dict[str, Any]) -> None:
+        with self.store._tx() as db:
+            db.execute(
+                "INSERT INTO policy_audit (at, who, source, diff) VALUES (?,?,?,?)",
+                (at, who, source, json.dumps(diff, sort_keys=True, default=str)),
+            )
+
+    def audit_log(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT id, at, who, source, diff FROM policy_audit ORDER BY id DESC LIMIT ?", (limit,))
+        return [{"id": r[0], "at": r[1], "who": r[2], "source": r[3], "diff": json.loads(r[4])} for r in rows]
+
+    # --- preemptions ---------------------------------------------------------------------------
+    def preempting(self, lease_id: str, by_lease: str, by_user: str, by_class: str, at: float, deadline: float) -> None:
+        with self.store._tx() as db:
+            db.execute("REPLACE INTO preemptions VALUES (?,?,?,?,?,?)", (lease_id, by_lease, by_user, by_class, at, deadline))
+
+    def preemption(self, lease_id: str) -> dict[str, Any] | None:
+        r = self.db.execute("SELECT * FROM preemptions WHERE lease_id=?", (lease_id,)).fetchone()
+        if r is None:
+            return None
+        return {"lease_id": r[0], "by_lease": r[1], "by_user": r[2], "by_class": r[3], "warned_at": r[4], "deadline": r[5]}
+
+    def drop_preemption(self, lease_id: str) -> None:
+        with self.store._tx() as db:
+            db.execute("DELETE FROM preemptions WHERE lease_id=?", (lease_id,))
+
+    # --- history -------------------------------------------------------------------------------
+    def held_intervals(self, ended_after: float) -> list[tuple[str, str, float, float, float | None, float | None]]:
+        """(lease id, user, gpus, granted_at, ended_at, expires_at) of every lease granted and not ended before."""
+        rows = self.db.execute(
+            "SELECT id, user, request, devices, granted_at, ended_at, expires_at FROM leases "
+            "WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
+            (ended_after,),
+        )
+        return [(r[0], r[1], _gpus(r[2], r[3]), r[4], r[5], r[6]) for r in rows]
+
+    def ended_interval(self, lease_id: str) -> tuple[str, float, float, float] | None:
+        r = self.db.execute(
+            "SELECT user, request, devices, granted_at, ended_at FROM leases WHERE id=?", (lease_id,)
+        ).fetchone()
+        if r is None or r[3] is None or r[4] is None:
+            return None
+        return (r[0], _gpus(r[1], r[2]), r[3], r[4])
+
+    def usage_rows(self, since: float) -> list[dict[str, Any]]:
+        """Every lease that held GPUs after ``since``, with its transitions (for the usage report)."""
+        rows = self.db.execute(
+            "SELECT id, user, request, devices, granted_at, ended_at, state, reason FROM leases "
+            "WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
+            (since,),
+        ).fetchall()
+        out = []
+        for r in rows:
+            trans = self.db.execute(
+                "SELECT to_state, at FROM transitions WHERE lease_id=? ORDER BY id", (r[0],)
+            ).fetchall()
+            out.append(
+                {"id": r[0], "user": r[1], "gpus": _gpus(r[2], r[3]), "granted_at": r[4], "ended_at": r[5],
+                 "state": r[6], "reason": r[7], "transitions": [(t[0], t[1]) for t in trans]}
+            )
+        return out

@@ -1,0 +1,256 @@
+"""A hypothesis state machine over the real LeaseManager on a virtual clock and an in-memory store: requests
+(gangs on one node or spread, incremental ranges that grow, shared fractions, three priority classes of which
+one preempts), releases, activity, renewals, ticks, reservations for users and groups and their cancelling,
+under user and group caps and a daily GPU-hour quota. Every step checks the invariants a user relies on: no
+GPU in two exclusive leases; gangs all or nothing; a shared GPU within its shares and memory; quotas and
+reservations never violated; the head request's wait bounded. At least 10,000 steps (test_scheduler_machine)."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from lease_broker import reservations
+from lease_broker.clock import VirtualClock
+from lease_broker.errors import LeaseError
+from lease_broker.identity import Identity
+from lease_broker.inventory.simulated import SimulatedInventory
+from lease_broker.lease import HOLDING, LeaseState
+from lease_broker.manager import LeaseManager
+from lease_broker.policy import LeasePolicy
+from lease_broker.store import Store, iter_rows
+
+USERS = [Identity(f"u{i}", uid=2000 + i) for i in range(4)]
+ADMIN = Identity("root", uid=0, admin=True)
+MAX_DURATION = 3600.0
+GRACE = 30.0
+CAP = 4.0
+GROUP_CAP = 4.0
+DAY_QUOTA_U2 = 3.0  # GPU-hours
+MAX_WINDOW = 3600.0
+SLACK = 1800.0 + 1
+EPS = 1e-6
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(nodes=st.sampled_from([1, 2]))
+    def start(self, nodes: int) -> None:
+        self.clock = VirtualClock()
+        self.policy = LeasePolicy(
+            heartbeat_timeout=1e9, default_idle_timeout_seconds=0, unix_groups=False,
+            max_duration_seconds=MAX_DURATION, default_duration_seconds=600, max_gpus_per_user=CAP,
+            group_members={"ml": ["u0", "u1"]}, group_quotas={"ml": {"max_gpus": GROUP_CAP}},
+            user_limits={"u2": {"gpu_hours_per_day": DAY_QUOTA_U2}}, preempt_grace_seconds={"high": GRACE},
+            max_shares_per_gpu=1.0, max_leases_per_shared_gpu=3, fairshare_half_life_seconds=1800,
+        )
+        self.m = LeaseManager(Store(":memory:"), SimulatedInventory(gpus=6, nodes=nodes), self.policy,
+                              clock=self.clock)
+        self.m.restore()
+        self.head_since: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ rules
+    @rule(user=st.sampled_from(USERS), gpus=st.sampled_from(["1", "2", "3", "4", "6", "1-3", "2-4", "0.25", "0.5"]),
+          duration=st.sampled_from([60, 300, 900, 1800, 3600]), priority=st.sampled_from(["low", "normal", "high"]),
+          spread=st.booleans())
+    def request(self, user: Identity, gpus: str, duration: int, priority: str, spread: bool) -> None:
+        body: dict[str, object] = {"gpus": gpus, "duration_seconds": duration, "priority": priority}
+        if spread:
+            body["locality"] = "any"
+        try:
+            self.m.request(user, body)
+        except LeaseError as e:
+            assert e.status_code in (400, 403), e.message
+
+    @precondition(lambda self: bool(self.m.leases))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(sorted(self.m.leases.values(), key=lambda x: x.seq)))
+        owner = next(u for u in USERS if u.user == lease.user)
+        self.m.release(lease.id, owner)
+
+    @precondition(lambda self: any(x.state in HOLDING for x in self.m.leases.values()))
+    @rule(data=st.data())
+    def activity(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(sorted((x for x in self.m.leases.values() if x.state in HOLDING),
+                                                 key=lambda x: x.seq)))
+        self.m.heartbeat(lease.id, next(u for u in USERS if u.user == lease.user), active=True)
+
+    @precondition(lambda self: any(x.state in HOLDING for x in self.m.leases.values()))
+    @rule(data=st.data(), seconds=st.sampled_from([60, 1800, 3600]))
+    def renew(self, data: st.DataObject, seconds: int) -> None:
+        lease = data.draw(st.sampled_from(sorted((x for x in self.m.leases.values() if x.state in HOLDING),
+                                                 key=lambda x: x.seq)))
+        try:
+            self.m.renew(lease.id, next(u for u in USERS if u.user == lease.user), seconds)
+        except LeaseError as e:
+            assert e.reason in ("max_duration", "quota", "reserved"), e.message
+
+    @rule(seconds=st.sampled_from([1, 10, 30, 60, 300, 900, 1800]))
+    def advance(self, seconds: int) -> None:
+        self.clock.advance(seconds)
+        self.m.tick()
+
+    @rule(gpus=st.integers(1, 3), who=st.sampled_from(["u0", "u3", "@ml"]),
+          offset=st.sampled_from([MAX_DURATION, MAX_DURATION + 600, 2 * MAX_DURATION]),
+          length=st.sampled_from([600, 1800, MAX_WINDOW]))
+    def reserve(self, gpus: int, who: str, offset: float, length: float) -> None:
+        now = self.clock.now()
+        body = {"gpus": gpus, "start": now + offset, "end": now + offset + length,
+                **({"group": who[1:]} if who.startswith("@") else {"user": who})}
+        try:
+            reservations.create(self.m, ADMIN, body)
+        except LeaseError as e:
+            assert e.reason == "reserved", e.message
+        self.m.schedule()
+
+    @precondition(lambda self: bool(self.m.reservation_list(0)))
+    @rule(data=st.data())
+    def cancel_reservation(self, data: st.DataObject) -> None:
+        r = data.draw(st.sampled_from(self.m.reservation_list(0)))
+        reservations.cancel(self.m, ADMIN, r.id)
+        self.m.schedule()
+
+    # ------------------------------------------------------------------ invariants
+    def holding(self) -> list:
+        return [x for x in self.m.leases.values() if x.state in HOLDING]
+
+    @invariant()
+    def no_gpu_in_two_exclusive_leases_and_shared_within_limits(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        exclusive: dict[str, str] = {}
+        shares: dict[str, list] = {}
+        for lease in self.holding():
+            for d in lease.devices:
+                if lease.request.shared:
+                    shares.setdefault(d, []).append(lease)
+                else:
+                    assert d not in exclusive, f"GPU {d} in {exclusive[d]} and {lease.id}"
+                    exclusive[d] = lease.id
+        mem = {g.id: g.memory_total for g in self.m.gpus}
+        for d, leases in shares.items():
+            assert d not in exclusive, f"shared lease on exclusively leased GPU {d}"
+            assert sum(x.request.fraction for x in leases) <= self.policy.max_shares_per_gpu + EPS
+            assert len(leases) <= self.policy.max_leases_per_shared_gpu
+            used = sum(x.request.mem_bytes or int(x.request.fraction * mem[d]) for x in leases)
+            assert used <= mem[d]
+
+    @invariant()
+    def gangs_all_or_nothing(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        node_of = {g.id: g.node for g in self.m.gpus}
+        for lease in self.holding():
+            req = lease.request
+            if req.shared:
+                assert len(lease.devices) == 1
+                continue
+            assert req.min_gpus <= len(lease.devices) <= req.max_gpus, (lease.id, lease.devices, req)
+            assert len(set(lease.devices)) == len(lease.devices)
+            if req.locality != "any":
+                assert len({node_of[d] for d in lease.devices}) == 1, (lease.id, lease.devices)
+        for lease in self.m.leases.values():
+            if lease.state == LeaseState.QUEUED:
+                assert not lease.devices
+
+    @invariant()
+    def quotas_never_violated(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        held: dict[str, float] = {}
+        for lease in self.holding():
+            held[lease.user] = held.get(lease.user, 0.0) + lease.gpu_count
+        for user, n in held.items():
+            assert n <= CAP + EPS, (user, n)
+        assert held.get("u0", 0.0) + held.get("u1", 0.0) <= GROUP_CAP + EPS
+        now = self.clock.now()
+        cutoff = now - 86400
+        used = 0.0
+        for lease in iter_rows(self.m.store):
+            if lease.user != "u2" or lease.granted_at is None:
+                continue
+            # charged: what it held up to its time limit (an ended lease that the clock's jump stopped late is
+            # not the user's use), and the whole time limit of a running one
+            if lease.ended_at is not None:
+                end = min(lease.ended_at, lease.expires_at or lease.ended_at)
+            else:
+                end = max(lease.expires_at or now, now)
+            used += lease.gpu_count * max(0.0, end - max(lease.granted_at, cutoff))
+        assert used <= DAY_QUOTA_U2 * 3600 + EPS, used / 3600
+
+    @invariant()
+    def reservations_never_violated(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        now = self.clock.now()
+        live = [r for r in self.m.reservation_list(now) if r.start <= now < r.end]
+        if not live:
+            return
+        members = {r.id: reservations.members(self.m, r, [u.user for u in USERS]) for r in live}
+        everyone = frozenset().union(*members.values())
+        others = set()
+        for lease in self.holding():
+            if lease.user not in everyone:
+                others.update(lease.devices)
+        # GPUs held by users of no open reservation leave enough for every open reservation
+        assert len(self.m.gpus) - len(others) >= sum(r.gpus for r in live), (others, live)
+
+    @invariant()
+    def head_wait_bounded(self) -> None:
+        """The request at the head of the queue starts within a bound that arriving requests cannot stretch:
+        the leases running when it arrived end within the longest time limit, a preemption takes GRACE, and
+        only reservations (booked by an admin) may hold GPUs longer: each blocks a request from the longest
+        time limit before its start to its end. SLACK: the clock's largest jump between two ticks."""
+        if not hasattr(self, "m"):
+            return
+        now = self.clock.now()
+        m = self.m
+        head = m.order[0] if m.order else None
+        lease = m.leases.get(head) if head else None
+        if lease is None or self._blocked_by_own_limits(lease):
+            self.head_since = {}
+            return
+        since = self.head_since.setdefault(head, now)
+        self.head_since = {head: since}
+        reserved = 0.0
+        for r in m.admin_store.reservations(since=0.0, include_cancelled=True):
+            end = min(r.end, r.cancelled_at or r.end)
+            if end > since and r.start - MAX_DURATION < now:
+                reserved += end - max(r.start - MAX_DURATION, since)
+        bound = MAX_DURATION + GRACE + reserved + SLACK
+        assert now - since <= bound, (head, now - since, bound, lease.request)
+
+    def _blocked_by_own_limits(self, lease) -> bool:
+        held: dict[str, float] = {}
+        for x in self.holding():
+            held[x.user] = held.get(x.user, 0.0) + x.gpu_count
+        need = lease.request.fraction if lease.request.shared else lease.request.min_gpus
+        if held.get(lease.user, 0.0) + need > CAP + EPS:
+            return True
+        if lease.user in ("u0", "u1") and held.get("u0", 0.0) + held.get("u1", 0.0) + need > GROUP_CAP + EPS:
+            return True
+        return lease.user == "u2"  # its daily quota may hold it for up to a day
+
+    @invariant()
+    def count_steps(self) -> None:
+        SchedulerMachine.steps += 1
+
+
+SchedulerMachine.steps = 0
+# 10,000 random steps at least (checked below): 120 runs of up to 150 steps; about a minute on a laptop.
+SETTINGS = settings(max_examples=120, stateful_step_count=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_scheduler_machine() -> None:
+    SchedulerMachine.steps = 0
+    run_state_machine_as_test(SchedulerMachine, settings=SETTINGS)
+    assert SchedulerMachine.steps >= 10_000, f"only {SchedulerMachine.steps} steps ran"
