@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = ["grant+release round trip", "grants/s", "scheduler decisions/s", "broker RSS", "restart to serving"]
+FIGURES = ["grant of a free GPU", "release, ", "grants/s", "scheduler decisions/s", "broker RSS", "restart to serving"]
 
 
 def test_quick_broker_benchmarks_write_every_figure_and_keep_other_sections(tmp_path: Path) -> None:

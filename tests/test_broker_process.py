@@ -357,3 +357,46 @@ def as_user(pw, fn):
     result = json.loads(data)
     assert os.waitstatus_to_exitcode(status) == 0, result
     return result
+
+
+def test_grafana_dashboard_queries_name_series_the_broker_exports(broker):
+    """deploy/grafana-dashboard.json: every panel's query uses metric and label names /metrics really has."""
+    import http.client
+    import json
+    import re
+    from pathlib import Path
+
+    c = broker.client()
+    c.request_lease(1, heartbeat=False)
+
+    class Conn(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.connect(broker.socket)
+
+    conn = Conn("localhost")
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    exported: dict[str, set[str]] = {}
+    sampled: set[str] = set()
+    for line in text.splitlines():
+        t = re.match(r"# TYPE (gpulease_\w+) (\w+)", line)
+        if t:  # a family is declared even before it has samples (utilisation, unleased processes)
+            exported.setdefault(t.group(1) + ("_total" if t.group(2) == "counter" else ""), set())
+        m = re.match(r"(gpulease_\w+)(?:\{(.*)\})? ", line)
+        if m:
+            sampled.add(m.group(1))
+            exported.setdefault(m.group(1), set()).update(re.findall(r'(\w+)="', m.group(2) or ""))
+    dash = json.loads((Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json").read_text())
+    assert dash["panels"]
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            names = re.findall(r"gpulease_\w+", expr)
+            assert names, (panel["title"], expr)
+            for name in names:
+                assert name in exported, (panel["title"], name, sorted(exported))
+                used = set(re.findall(r"(\w+)\s*(?:=~|!=|=)\s*\"", expr)) | {
+                    lab.strip() for grp in re.findall(r"by \(([^)]*)\)", expr) for lab in grp.split(",")}
+                if name in sampled:  # label names are known from samples
+                    assert used <= exported[name] | {""}, (panel["title"], used - exported[name])
