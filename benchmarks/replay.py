@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from lease_broker.replay import Cluster, compare, load_trace, replay, summarize, tile
+from lease_broker.replay.report import plot
 
 from .report import Figure, figure
 
 TITLE = "Replay: the notebook trace through the real scheduler"
 TRACES = Path("/work/shared/traces")
+IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 COMMAND = ("gpulease replay /work/shared/traces/notebook_bursts.csv --sessions /work/shared/traces/notebook_sessions.csv "
            "--cluster {cluster} --sweep idle=1m,5m,10m,30m")
 
@@ -50,6 +52,9 @@ def run(opts: Any) -> list[Figure]:
             note=f"the p95 over {t1['n']} 1-GPU cells (p50 {t1['p50']:.0f} s, p99 {t1['p99']:.0f} s); baseline: a "
                  "session's wait for its GPUs, counted at its first GPU cell.",
         ))
+        drawn = None if quick else plot(list(runs.values()), base, str(IMAGES / f"replay-sweep-{cluster}.png"))
+        if drawn:
+            figures[-1]["note"] += f" Trade-off plot over the sweep: docs/images/{Path(drawn).name}."
         for idle, s in runs.items():
             c = compare(s, base)
             figures.append(figure(
