@@ -1,7 +1,8 @@
 """Fair share: decayed past GPU-seconds per user (as Slurm's fair-share), computed from the store's history.
 
 Usage decays with a half-life: a GPU-second used ``h`` seconds ago counts half. The ended part is kept as a
-running total decayed to the last pass and fed by leases as they end; running leases are added at each pass.
+running total decayed to the last pass and fed by leases as they end (the GPU table lists them); running leases
+are added at each pass.
 Everything is derived from the lease store (granted_at/ended_at of every lease), so it survives restarts.
 """
 
@@ -30,7 +31,6 @@ class FairShare:
         self.half_life = half_life
         self.ended: dict[str, float] = {}
         self.at: float | None = None  # when ``ended`` was last decayed; None = not loaded yet
-        self.running: set[str] = set()  # lease ids seen holding: when they end, their usage is added
 
     @property
     def loaded(self) -> bool:

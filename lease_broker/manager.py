@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from typing import Any
 
@@ -13,6 +14,7 @@ from .clock import Clock
 from .enforcer import Enforcer
 from .errors import BadRequest, Forbidden, InvalidTransition, NotFound
 from .events import EventBus
+from .gputable import GpuTable
 from .identity import Identity, hash_secret
 from .inventory import GPU, GpuSample, Inventory
 from .lease import (
@@ -29,7 +31,7 @@ from .policy import LeasePolicy
 from .policy_manager import PolicyMixin
 from .procs import is_descendant, proc_info
 from .restore import RestoreMixin
-from .scheduler import Pending, Slot, schedule
+from .scheduler import Pending, Slot, SlotIndex, schedule
 from .store import Store
 from .views import ManagerViews, may_see
 
@@ -53,6 +55,8 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         self.leases: dict[str, Lease] = {}  # every non-terminal lease
         self.gpus: list[GPU] = inventory.discover()
         self.gpu_by_id = {g.id: g for g in self.gpus}
+        self.table = GpuTable(self.gpus)  # kept current by every change below (sync)
+        self._verify_table = os.environ.get("GPULEASE_VERIFY_TABLE") == "1"  # the test suite checks it each pass
         self.samples: dict[str, GpuSample] = {}
         self.planned: dict[str, float] = {}
         self.order: list[str] = []
@@ -68,7 +72,7 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         req = parse_request(body)
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
         self.check_placeable(req)
-        largest = max((g.memory_total for g in self.gpus), default=0)
+        largest = self.table.largest_memory
         if req.mem_bytes and largest and req.mem_bytes > largest:
             raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "
                              f"{largest / 2**30:.4g}G", reason="too_large")
@@ -93,6 +97,7 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         queue_was_empty = not self.order and not self._pass_queued
         self.store.insert(lease, now)
         self.leases[lease.id] = lease
+        self.table.sync(lease)
         log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
         self._emit(lease, None)
         if queue_was_empty:
@@ -164,6 +169,7 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         lease.expires_at = max(lease.expires_at or 0.0, new_expiry)
         lease.duration_seconds = lease.expires_at - lease.granted_at
         self.enforcer.clear_warning(lease.id, "expiry")
+        self.table.sync(lease)
         self.store.update(lease)
         self.events.publish("lease", lease=self.view(lease), change="renewed", user=lease.user)
         return lease
@@ -248,6 +254,7 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         self.transitions_total[key] = self.transitions_total.get(key, 0) + 1
         if target.terminal:
             self.leases.pop(lease.id, None)
+        self.table.sync(lease)
         level = logging.DEBUG if {before, target} <= {LeaseState.ACTIVE, LeaseState.IDLE} else logging.INFO
         log.log(level, "Lease %s %s -> %s (%s), user %s", lease.id, before.value, target.value, reason, lease.user)
         self._emit(lease, before)
@@ -278,50 +285,21 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         )
 
     # ------------------------------------------------------------------ scheduling
+    def slot_index(self) -> SlotIndex:
+        """The GPUs for a pass: the table's index, with draining GPUs free after term_timeout, unhealthy never."""
+        return self.table.slot_index(self.enforcer.draining, self.enforcer.unhealthy,
+                                     self.clock.now() + self.policy.term_timeout)
+
     def slots(self) -> list[Slot]:
-        now = self.clock.now()
-        slots = {
-            g.id: Slot(id=g.id, node=g.node, index=g.index, link_group=g.link_group, memory_total=g.memory_total)
-            for g in self.gpus
-        }
-        for gpu_id in self.enforcer.draining:
-            if gpu_id in slots:
-                slots[gpu_id].available = False
-                slots[gpu_id].free_at = now + self.policy.term_timeout
-        for gpu_id in self.enforcer.unhealthy:
-            if gpu_id in slots:
-                slots[gpu_id].available = False
-                slots[gpu_id].free_at = float("inf")
-        for lease in self.leases.values():
-            if lease.state not in HOLDING:
-                continue
-            end = lease.expires_at or now
-            for d in lease.devices:
-                s = slots.get(d)
-                if s is None:
-                    continue
-                if lease.request.shared:
-                    s.shares += lease.request.fraction
-                    s.n_shared += 1
-                    s.mem_used += lease.request.mem_bytes or int(lease.request.fraction * s.memory_total)
-                else:
-                    s.exclusive = True
-                s.free_at = max(s.free_at, end)
-        return list(slots.values())
+        """A copy of every GPU as a pass sees it (for callers that change them)."""
+        return [s.clone() for s in self.slot_index().all()]
 
     def held_by_user(self) -> dict[str, float]:
-        held: dict[str, float] = {}
-        for lease in self.leases.values():
-            if lease.state in HOLDING:
-                held[lease.user] = held.get(lease.user, 0.0) + lease.gpu_count
-        return held
+        return dict(self.table.held_by_user)
 
     def pending(self) -> list[Pending]:
-        return [
-            Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds)
-            for lease in self.leases.values()
-            if lease.state == LeaseState.QUEUED
-        ]
+        return [Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds)
+                for lease in self.table.queued.values()]
 
     def schedule_soon(self) -> None:
         """A pass at the next event-loop iteration, one for every change of this one; at once without a loop.
@@ -347,12 +325,16 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
             log.exception("Scheduling pass failed")
 
     def schedule(self) -> int:
+        if self._verify_table:
+            diffs = self.table.verify(self.leases.values())
+            assert not diffs, "GPU table out of step with the leases: " + "; ".join(diffs[:5])
         pending = self.pending()
         if not pending and not self.preempting and not self.growable():
             self.order, self.planned = [], {}
             return 0
         now = self.clock.now()
-        decision = schedule(pending, self.slots(), self.held_by_user(), now=now, **self.schedule_options(now, pending))
+        decision = schedule(pending, self.slot_index(), self.table.held_by_user, now=now,
+                            **self.schedule_options(now, pending))
         granted = {g.lease_id for g in decision.grants}
         self.order = [lid for lid in decision.order if lid not in granted]
         self.planned = decision.planned_start

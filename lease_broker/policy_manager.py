@@ -75,23 +75,21 @@ class PolicyMixin:
         fs = m._fairshare
         if fs.half_life != m.policy.fairshare_half_life_seconds:
             fs = self.__dict__["_fairshare"] = FairShare(m.policy.fairshare_half_life_seconds)
-        leases = m.leases
+        table = m.table
+        left = table.take_left()  # leases that stopped holding since the last call
         if not fs.loaded:
-            holding = {lid for lid, lease in leases.items() if lease.state in HOLDING}
+            holding = {lid for by_user in table.holding_by_user.values() for lid in by_user}
             ended = [(u, g, a, e) for lid, u, g, a, e, _ in m.admin_store.held_intervals(0.0)
                      if e is not None and lid not in holding]
             fs.load(ended, now)
-            fs.running = holding
         else:
             fs.decay_to(now)
-            gone = [lid for lid in fs.running if (x := leases.get(lid)) is None or x.state not in HOLDING]
-            for lid in gone:  # ended since the last pass: their usage moves to the ended total
-                fs.running.discard(lid)
+            for lid in left:  # ended since the last call: their usage moves to the ended total
                 iv = m.admin_store.ended_interval(lid)
                 if iv is not None:
                     fs.add(*iv, now=now)
-        running = [(x.user, x.gpu_count, x.granted_at or now) for lid in fs.running
-                   if (x := leases[lid]) is not None and (users is None or x.user in users)]
+        holders = table.holding_by_user if users is None else {u: table.holding_by_user.get(u, {}) for u in users}
+        running = [(x.user, x.gpu_count, x.granted_at or now) for mine in holders.values() for x in mine.values()]
         usage = fs.usage(running, now)
         return usage if users is None else {u: usage[u] for u in users if u in usage}
 
@@ -123,10 +121,7 @@ class PolicyMixin:
         m = self._m
         if req.shared or req.locality != "node":
             return
-        per_node: dict[str, int] = {}
-        for g in m.gpus:
-            per_node[g.node] = per_node.get(g.node, 0) + 1
-        biggest = max(per_node.values(), default=0)
+        biggest = m.table.biggest_node
         if req.min_gpus > biggest:
             raise BadRequest(
                 f"Request for {req.min_gpus} GPUs on one node can never be granted: the largest node has {biggest}; "
@@ -177,10 +172,8 @@ class PolicyMixin:
         """Holding incremental leases below their max_gpus (placed by the broker itself, not by an engine)."""
         m = self._m
         now = m.clock.now()
-        return [lease for lease in m.leases.values()
-                if len(lease.devices) < lease.request.max_gpus and lease.devices and lease.state in HOLDING
-                and not lease.request.shared and (lease.expires_at or 0.0) > now
-                and m.inventory.placement(lease) is None]
+        return [lease for lease in m.table.growable.values()
+                if (lease.expires_at or 0.0) > now and m.inventory.placement(lease) is None]
 
     def schedule_options(self, now: float, pending: list[Pending]) -> dict[str, Any]:
         """Keyword arguments of scheduler.schedule() beyond pending, slots and held: the policy and its inputs."""
@@ -206,13 +199,13 @@ class PolicyMixin:
             lease.devices = [*lease.devices, *grant.gpu_ids]
             nodes = sorted({m.gpu_by_id[d].node for d in lease.devices})
             lease.node = nodes[0] if len(nodes) == 1 else ",".join(nodes)
+            m.table.sync(lease)
             m.store.update(lease)
             log.info("Lease %s of %s grew to %d GPUs (of %d): +%s", lease.id, lease.user, len(lease.devices),
                      lease.request.max_gpus, ",".join(grant.gpu_ids))
             m.events.publish("lease", lease=m.view(lease), change="grown", previous=lease.state.value, user=lease.user)
         if decision.grants or decision.grown:
             m._emit_gpus()
-            m._fairshare.running.update(g.lease_id for g in decision.grants)
         if self.__dict__.get("_preempt_busy"):
             return
         self.__dict__["_preempt_busy"] = True

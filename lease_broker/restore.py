@@ -40,6 +40,7 @@ class RestoreMixin:
                 counts["holding"] += 1
             else:
                 counts["queued"] += 1
+        m.table.rebuild(m.leases.values())
         m.enforcer.restore_drains(m.store.drains())
         m._check_no_double_grant()
         m.inventory.reconcile(m)  # an engine's inventory (Ray) hooks in and finds its placements first

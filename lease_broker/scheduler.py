@@ -22,36 +22,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .lease import LeaseRequest
+from .slots import Slot, SlotIndex
 from .windows import Window, WindowMap
 
+__all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "schedule",
+           "queue_order", "pick_connected"]
+
 INF = math.inf
-
-
-@dataclasses.dataclass
-class Slot:
-    """A GPU as the scheduler sees it."""
-
-    id: str
-    node: str
-    index: int = 0
-    link_group: str = ""
-    memory_total: int = 0
-    exclusive: bool = False  # held by an exclusive lease
-    shares: float = 0.0  # sum of the fractions of shared leases on it
-    mem_used: int = 0  # memory promised to shared leases
-    n_shared: int = 0
-    available: bool = True  # False while draining, unhealthy, or reserved by an admin window
-    free_at: float = 0.0  # when it is expected to be free for an exclusive lease (INF = never)
-
-    def clone(self) -> Slot:
-        """A copy (dataclasses.replace is ~10x slower, and schedule() copies every slot on every pass)."""
-        c = object.__new__(Slot)
-        c.__dict__.update(self.__dict__)
-        return c
-
-    @property
-    def idle(self) -> bool:
-        return self.available and not self.exclusive and self.n_shared == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +89,7 @@ def queue_order(
 
 def schedule(
     pending: Iterable[Pending],
-    slots: Iterable[Slot],
+    slots: Iterable[Slot] | SlotIndex,
     held_by_user: Mapping[str, float],
     policy: SchedulerPolicy,
     now: float,
@@ -125,9 +102,13 @@ def schedule(
     """``usage``: fair-share usage per user (already divided by weight); ``budget``: GPU-seconds each user or
     ``"@group"`` may still be granted today (absent = unlimited); ``reservations``: advance reservations;
     ``growing``: holding incremental leases, which grow last (never into GPUs that waiting requests plan on)."""
-    state = _State([s.clone() for s in slots], dict(held_by_user), policy, now)  # callers' slots untouched
+    # a fork copies only the slots the pass changes: the caller's slots and index are left untouched
+    ix = slots.fork() if isinstance(slots, SlotIndex) else SlotIndex(slots).fork()
+    state = _State(ix, dict(held_by_user), policy, now)
     decision = Decision()
     state.budget = dict(budget or {})
+    if reservations:
+        state.windows = WindowMap(ix.all(), now)
     for gpu_id, w in state.windows.place(reservations).items():
         decision.reserved[gpu_id] = w.id
     blocked = 0
@@ -162,28 +143,41 @@ def schedule(
 class _State:
     """Mutable working copy of the GPUs during one scheduling pass."""
 
-    def __init__(self, slots: list[Slot], held: dict[str, float], policy: SchedulerPolicy, now: float) -> None:
-        self.slots = slots
-        self.by_id = {s.id: s for s in slots}
+    def __init__(self, ix: SlotIndex, held: dict[str, float], policy: SchedulerPolicy, now: float) -> None:
+        self.ix = ix
+        self.by_id = ix.by_id
+        self.nodes = ix.nodes  # node -> its slots by index (the fork's lists: edits show in them)
         self.held = held
         self.policy = policy
         self.now = now
         self.reserved_from: dict[str, float] = {}  # slot id -> earliest reservation start
         self.busy_until: dict[str, float] = {}  # slot id -> when its reservation ends
-        self.nodes: dict[str, list[Slot]] = {}
         self.budget: dict[str, float] = {}
-        self.windows = WindowMap(slots, now)  # advance reservations: which GPUs each one holds
+        self.windows = WindowMap([], now)  # advance reservations: which GPUs each one holds (set when there are)
         self._groups: dict[str, Sequence[str]] = {}
         self.gheld: dict[str, float] = {}
         for user, n in held.items():
             for g in self.groups(user):
                 self.gheld[g] = self.gheld.get(g, 0.0) + n
-        self.idle_count = 0  # an upper bound of the GPUs an exclusive request can get: skips hopeless scans
-        for s in slots:
-            self.nodes.setdefault(s.node, []).append(s)
-            self.idle_count += s.idle
-        for members in self.nodes.values():
-            members.sort(key=lambda s: s.index)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.ix.all()
+
+    @property
+    def idle_count(self) -> int:
+        """An upper bound of the GPUs an exclusive request can get: skips hopeless scans."""
+        return self.ix.idle_total
+
+    def take(self, s: Slot, end: float, exclusive: bool = True) -> Slot:
+        """This pass's own copy of ``s``, no longer idle; exclusive ones are held until ``end``."""
+        c = self.ix.edit(s.id)
+        if c.idle:
+            self.ix.note_idle(c.node, -1)
+        if exclusive:
+            c.exclusive = True
+            c.free_at = end
+        return c
 
     # --- caps ------------------------------------------------------------------------------
     def groups(self, user: str) -> Sequence[str]:
@@ -229,7 +223,9 @@ class _State:
         if room < req.min_gpus or self.idle_count < req.min_gpus:
             return None
         want_max = int(min(req.max_gpus, room + 1e-9))
-        free_by_node = {n: [s for s in members if self._usable(s, end, p.user)] for n, members in self.nodes.items()}
+        need = max(1, req.min_gpus) if req.locality == "node" else 1
+        free_by_node = {n: [s for s in self.nodes[n] if self._usable(s, end, p.user)]
+                        for n, k in self.ix.idle.items() if k >= need}  # only nodes with room
         chosen: list[Slot] | None = None
         fitting = [(len(free), n) for n, free in free_by_node.items() if len(free) >= req.min_gpus]
         if fitting:
@@ -251,10 +247,7 @@ class _State:
                     chosen.extend(pick_connected(free_by_node[node], min(need, len(free_by_node[node]))))
         if not chosen:
             return None
-        for s in chosen:
-            s.exclusive = True
-            s.free_at = end
-        self.idle_count -= len(chosen)
+        chosen = [self.take(s, end) for s in chosen]
         self._charge(p, len(chosen))
         nodes = sorted({s.node for s in chosen})
         return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
@@ -272,10 +265,7 @@ class _State:
             return None
         groups = {self.by_id[d].link_group for d in g.devices if d in self.by_id}
         free.sort(key=lambda s: (s.node not in nodes, s.link_group not in groups, s.node, s.index))
-        chosen = free[:want]
-        for s in chosen:
-            s.exclusive = True
-            s.free_at = g.end
+        chosen = [self.take(s, g.end) for s in free[:want]]
         self._charge(p, len(chosen))
         return Grant(p.lease_id, tuple(s.id for s in chosen), ",".join(sorted(nodes | {s.node for s in chosen})))
 
@@ -337,7 +327,7 @@ class _State:
                 best, best_key = s, key
         if best is None:
             return None
-        self.idle_count -= best.idle
+        best = self.take(best, end, exclusive=False)
         best.shares += req.fraction
         best.n_shared += 1
         best.mem_used += req.mem_bytes or int(req.fraction * best.memory_total)

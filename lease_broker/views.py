@@ -15,6 +15,7 @@ from .lease import HOLDING, Lease, LeaseState
 if TYPE_CHECKING:
     from .enforcer import Enforcer
     from .events import EventBus
+    from .gputable import GpuTable
 
 #: The GPU summary (one entry per GPU) is published at most this often: at once after a quiet spell, then
 #: on the trailing edge. A busy broker would otherwise rebuild it twice per grant and release.
@@ -123,6 +124,7 @@ class ManagerViews:
     clock: Clock
     enforcer: "Enforcer"
     events: "EventBus"
+    table: "GpuTable"
     _gpus_dirty: bool
     _gpus_sent: float
 
@@ -170,14 +172,10 @@ class ManagerViews:
         return False
 
     def gpu_states(self) -> dict[str, tuple[str, list[Lease]]]:
-        holders: dict[str, list[Lease]] = {}
-        for lease in self.leases.values():
-            if lease.state in HOLDING:
-                for d in lease.devices:
-                    holders.setdefault(d, []).append(lease)
         out: dict[str, tuple[str, list[Lease]]] = {}
+        holders = self.table.holders
         for g in self.gpus:
-            hs = holders.get(g.id, [])
+            hs = sorted(holders.get(g.id, {}).values(), key=lambda lease: lease.seq)
             if g.id in self.enforcer.unhealthy:
                 state = "unhealthy"
             elif hs:
@@ -197,35 +195,13 @@ class ManagerViews:
         return views
 
     def summary(self) -> dict[str, Any]:
-        """GPU counts by state (as gpu_states() would say, without building holder lists: it runs often)."""
-        exclusive: set[str] = set()
-        shared: set[str] = set()
-        queued = 0
-        for lease in self.leases.values():
-            if lease.state in HOLDING:
-                (shared if lease.request.shared else exclusive).update(lease.devices)
-            elif lease.state == LeaseState.QUEUED:
-                queued += 1
-        unhealthy, draining = self.enforcer.unhealthy, self.enforcer.draining
-        counts: dict[str, int] = {}
-        for g in self.gpus:
-            gid = g.id
-            if gid in unhealthy:
-                state = "unhealthy"
-            elif gid in shared:
-                state = "shared"
-            elif gid in exclusive:
-                state = "leased"
-            elif gid in draining:
-                state = "draining"
-            else:
-                state = "free"
-            counts[state] = counts.get(state, 0) + 1
+        """GPU counts by state (as gpu_states() says), from the GPU table: it runs often."""
+        counts = self.table.counts(self.enforcer.draining, self.enforcer.unhealthy)
         return {
             "total": len(self.gpus),
             "free": counts.get("free", 0),
             "states": counts,
-            "queued": queued,
+            "queued": len(self.table.queued),
             "simulated": self.inventory.simulated,
         }
 

@@ -185,6 +185,7 @@ class SlurmAllocations(SlurmCommands):
             return
         log.info("Lease %s: devices follow Slurm's choice: %s -> %s", lease.id, lease.devices, chosen)
         lease.devices = chosen
+        self._manager.table.sync(lease)
         alloc = self._allocs.get(lease.id)
         if alloc is not None:
             alloc.devices = list(chosen)

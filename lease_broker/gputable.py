@@ -1,0 +1,183 @@
+"""Who holds which GPU, kept current as leases change: the scheduler's input without a pass over every lease.
+
+A scheduling pass runs on every request, release and tick. Rebuilding its view of the GPUs from every live
+lease made a grant cost O(leases + GPUs); the table instead updates only the GPUs of a lease that changed
+(``sync``, called by the manager on every transition, growth, renewal or device change), and a pass works on a
+fork of its ``SlotIndex``. ``verify`` recomputes everything from the leases and says what differs: the test
+suite runs it after every pass (``GPULEASE_VERIFY_TABLE=1``), so a change that forgets to ``sync`` fails there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from .inventory import GPU
+from .lease import HOLDING, Lease, LeaseState
+from .slots import Slot, SlotIndex
+
+
+class _Held(NamedTuple):
+    devices: tuple[str, ...]
+    gpus: float
+    user: str
+
+
+class GpuTable:
+    def __init__(self, gpus: Iterable[GPU]) -> None:
+        self._static = {g.id: Slot(id=g.id, node=g.node, index=g.index, link_group=g.link_group,
+                                   memory_total=g.memory_total) for g in gpus}
+        per_node: dict[str, int] = {}
+        for g in self._static.values():
+            per_node[g.node] = per_node.get(g.node, 0) + 1
+        self.biggest_node = max(per_node.values(), default=0)
+        self.largest_memory = max((s.memory_total for s in self._static.values()), default=0)
+        self.rebuild(())
+
+    def rebuild(self, leases: Iterable[Lease]) -> None:
+        """Start over from these leases (the live ones)."""
+        self.base = SlotIndex(s.clone() for s in self._static.values())
+        self.holders: dict[str, dict[str, Lease]] = {gid: {} for gid in self._static}  # GPU -> holding leases
+        self.queued: dict[str, Lease] = {}
+        self.holding_by_user: dict[str, dict[str, Lease]] = {}
+        self.held_by_user: dict[str, float] = {}
+        self.growable: dict[str, Lease] = {}  # holding incremental leases below their max_gpus
+        self.busy: dict[str, str] = {}  # GPU -> "leased" or "shared" (held by at least one lease)
+        self.n_busy = {"leased": 0, "shared": 0}
+        self._held: dict[str, _Held] = {}
+        self._left: list[str] = []  # leases that stopped holding, until take_left()
+        touched: set[str] = set()
+        for lease in leases:
+            touched.update(self._register(lease))
+        for gid in touched:
+            self._refresh(gid)
+
+    def sync(self, lease: Lease) -> None:
+        """Make the table agree with this lease's state, devices, time limit and request."""
+        was_holding = lease.id in self._held
+        touched = self._unregister(lease.id)
+        touched.update(self._register(lease))
+        if was_holding and lease.id not in self._held:
+            self._left.append(lease.id)
+        for gid in touched:
+            self._refresh(gid)
+
+    # ------------------------------------------------------------------ queries
+    def take_left(self) -> list[str]:
+        """Leases that stopped holding GPUs since the last call (fair share moves their usage to history)."""
+        left, self._left = self._left, []
+        return left
+
+    def slot_index(self, draining: Iterable[str], unhealthy: Iterable[str], drain_free_at: float) -> SlotIndex:
+        """A fork of the index for one pass: draining GPUs free at ``drain_free_at``, unhealthy ones never."""
+        ix = self.base.fork()
+        for gids, free_at in ((draining, drain_free_at), (unhealthy, float("inf"))):
+            for gid in gids:
+                if gid in ix.by_id:
+                    s = ix.edit(gid)
+                    if s.idle:
+                        ix.note_idle(s.node, -1)
+                    s.available = False
+                    s.free_at = max(s.free_at, free_at)
+        return ix
+
+    def counts(self, draining: Mapping[str, object], unhealthy: Mapping[str, object]) -> dict[str, int]:
+        """GPUs by state: unhealthy, shared, leased, draining, free (in that precedence)."""
+        counts = dict(self.n_busy)
+        for gid in {*draining, *unhealthy}:
+            if gid not in self._static:
+                continue
+            now = "unhealthy" if gid in unhealthy else self.busy.get(gid, "draining")
+            was = self.busy.get(gid)
+            if now != was:
+                counts[now] = counts.get(now, 0) + 1
+                if was is not None:
+                    counts[was] -= 1
+        counts["free"] = len(self._static) - sum(counts.values())
+        return {k: v for k, v in counts.items() if v}
+
+    def verify(self, leases: Iterable[Lease]) -> list[str]:
+        """What differs from a table rebuilt from ``leases`` (empty when it agrees)."""
+        fresh = GpuTable.__new__(GpuTable)
+        fresh._static, fresh.biggest_node = self._static, self.biggest_node
+        fresh.rebuild(leases)
+        diffs = []
+        for gid, s in fresh.base.by_id.items():
+            if _rounded(s) != _rounded(self.base.by_id[gid]):
+                diffs.append(f"slot {gid}: {self.base.by_id[gid]} != {s}")
+        def users(t: GpuTable) -> dict[str, set[str]]:
+            return {u: set(d) for u, d in t.holding_by_user.items() if d}
+
+        for name, mine, theirs in (("queued", set(self.queued), set(fresh.queued)),
+                                   ("holding", users(self), users(fresh)),
+                                   ("growable", set(self.growable), set(fresh.growable)),
+                                   ("busy", self.busy, fresh.busy),
+                                   ("busy counts", self.n_busy, fresh.n_busy),
+                                   ("idle", self.base.idle_total, fresh.base.idle_total)):
+            if mine != theirs:
+                diffs.append(f"{name}: {mine} != {theirs}")
+        if {k: v for k, v in self.base.idle.items() if v} != {k: v for k, v in fresh.base.idle.items() if v}:
+            diffs.append("idle per node differs")
+        for user in {*self.held_by_user, *fresh.held_by_user}:
+            if abs(self.held_by_user.get(user, 0.0) - fresh.held_by_user.get(user, 0.0)) > 1e-6:
+                diffs.append(f"held_by_user[{user}]: {self.held_by_user.get(user)} != {fresh.held_by_user.get(user)}")
+        return diffs
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _register(self, lease: Lease) -> list[str]:
+        if lease.state == LeaseState.QUEUED:
+            self.queued[lease.id] = lease
+            return []
+        if lease.state not in HOLDING:
+            return []
+        held = _Held(tuple(d for d in lease.devices if d in self._static), lease.gpu_count, lease.user)
+        self._held[lease.id] = held
+        for d in held.devices:
+            self.holders[d][lease.id] = lease
+        self.holding_by_user.setdefault(held.user, {})[lease.id] = lease
+        self.held_by_user[held.user] = self.held_by_user.get(held.user, 0.0) + held.gpus
+        if lease.devices and len(lease.devices) < lease.request.max_gpus and not lease.request.shared:
+            self.growable[lease.id] = lease
+        return list(held.devices)
+
+    def _unregister(self, lease_id: str) -> set[str]:
+        self.queued.pop(lease_id, None)
+        held = self._held.pop(lease_id, None)
+        if held is None:
+            return set()
+        for d in held.devices:
+            self.holders[d].pop(lease_id, None)
+        mine = self.holding_by_user.get(held.user, {})
+        mine.pop(lease_id, None)
+        if mine:
+            self.held_by_user[held.user] -= held.gpus
+        else:  # exact zero, whatever the fractions added up to
+            self.holding_by_user.pop(held.user, None)
+            self.held_by_user.pop(held.user, None)
+        self.growable.pop(lease_id, None)
+        return set(held.devices)
+
+    def _refresh(self, gid: str) -> None:
+        s = self._static[gid].clone()
+        shared = False
+        for lease in self.holders[gid].values():
+            req = lease.request
+            if req.shared:
+                shared = True
+                s.shares += req.fraction
+                s.n_shared += 1
+                s.mem_used += req.mem_bytes or int(req.fraction * s.memory_total)
+            else:
+                s.exclusive = True
+            s.free_at = max(s.free_at, lease.expires_at or 0.0)
+        self.base.put(s)
+        was = self.busy.pop(gid, None)
+        if was is not None:
+            self.n_busy[was] -= 1
+        if self.holders[gid]:
+            now = self.busy[gid] = "shared" if shared else "leased"
+            self.n_busy[now] += 1
+
+
+def _rounded(s: Slot) -> tuple[object, ...]:
+    return tuple(round(v, 6) if isinstance(v, float) else v for v in s.__dict__.values())
