@@ -36,7 +36,6 @@ class GpuTable:
 
     def rebuild(self, leases: Iterable[Lease]) -> None:
         """Start over from these leases (the live ones)."""
-        self.base = SlotIndex(s.clone() for s in self._static.values())
         self.holders: dict[str, dict[str, Lease]] = {gid: {} for gid in self._static}  # GPU -> holding leases
         self.queued: dict[str, Lease] = {}
         self.holding_by_user: dict[str, dict[str, Lease]] = {}
@@ -46,11 +45,9 @@ class GpuTable:
         self.n_busy = {"leased": 0, "shared": 0}
         self._held: dict[str, _Held] = {}
         self._left: list[str] = []  # leases that stopped holding, until take_left()
-        touched: set[str] = set()
         for lease in leases:
-            touched.update(self._register(lease))
-        for gid in touched:
-            self._refresh(gid)
+            self._register(lease)
+        self.base = SlotIndex([self._slot(gid) for gid in self._static])
 
     def sync(self, lease: Lease) -> None:
         """Make the table agree with this lease's state, devices, time limit and request."""
@@ -158,9 +155,19 @@ class GpuTable:
         return set(held.devices)
 
     def _refresh(self, gid: str) -> None:
+        self.base.put(self._slot(gid))
+
+    def _slot(self, gid: str) -> Slot:
+        """The GPU's slot from its holders (and its entry in ``busy``)."""
+        holders = self.holders[gid]
+        was = self.busy.pop(gid, None)
+        if was is not None:
+            self.n_busy[was] -= 1
+        if not holders:
+            return self._static[gid]  # never changed in place: forks copy what they change
         s = self._static[gid].clone()
         shared = False
-        for lease in self.holders[gid].values():
+        for lease in holders.values():
             req = lease.request
             if req.shared:
                 shared = True
@@ -170,13 +177,9 @@ class GpuTable:
             else:
                 s.exclusive = True
             s.free_at = max(s.free_at, lease.expires_at or 0.0)
-        self.base.put(s)
-        was = self.busy.pop(gid, None)
-        if was is not None:
-            self.n_busy[was] -= 1
-        if self.holders[gid]:
-            now = self.busy[gid] = "shared" if shared else "leased"
-            self.n_busy[now] += 1
+        now = self.busy[gid] = "shared" if shared else "leased"
+        self.n_busy[now] += 1
+        return s
 
 
 def _rounded(s: Slot) -> tuple[object, ...]:

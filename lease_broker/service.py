@@ -14,7 +14,7 @@ from tornado import httpserver, ioloop, netutil, web
 
 from .api.auth import Authenticator
 from .api.handlers import NotFoundHandler, default_handlers
-from .api.metrics import MetricsHandler, registry_for
+from .api.metrics_handler import MetricsHandler
 from .errors import LeaseError
 from .manager import LeaseManager
 
@@ -40,7 +40,7 @@ class StartupError(LeaseError):
 def make_app(manager: LeaseManager, auth: Authenticator, info: dict[str, Any]) -> web.Application:
     ctx = {"manager": manager, "auth": auth, "info": info}
     handlers: list[Any] = [(path, cls, ctx) for path, cls in default_handlers()]
-    handlers.append((r"/metrics", MetricsHandler, {"registry": registry_for(manager)}))
+    handlers.append((r"/metrics", MetricsHandler, {"manager": manager, "cache": {}}))
     handlers.append((r".*", NotFoundHandler, ctx))
     return web.Application(handlers, websocket_ping_interval=20, log_function=_log_request)
 

@@ -103,9 +103,16 @@ def _row(lease: Lease) -> tuple[Any, ...]:
     )
 
 
-def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None) -> Lease:
-    """A lease from its row; ``decoded``: its JSON columns (request, devices, pids), already parsed."""
-    req, devices, pids = decoded if decoded is not None else (json.loads(r[6]), json.loads(r[7]), json.loads(r[17]))
+def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
+           requests: dict[str, LeaseRequest] | None = None) -> Lease:
+    """A lease from its row; ``decoded``: its JSON columns devices and pids, already parsed; ``requests``: the
+    requests made so far from the same JSON text (one frozen LeaseRequest serves every lease that asked alike)."""
+    devices, pids = decoded if decoded is not None else (json.loads(r[7]), json.loads(r[17]))
+    request = requests.get(r[6]) if requests is not None else None
+    if request is None:
+        request = LeaseRequest(**json.loads(r[6]))
+        if requests is not None:
+            requests[r[6]] = request
     return Lease(
         id=r[0],
         seq=r[1],
@@ -113,7 +120,7 @@ def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None) -
         uid=r[3],
         state=LeaseState(r[4]),
         reason=r[5],
-        request=LeaseRequest(**req),
+        request=request,
         devices=devices,
         node=r[8],
         created_at=r[9],
@@ -226,12 +233,13 @@ class Store:
         q = f"SELECT {_COLUMNS} FROM leases WHERE state IN ({','.join('?' * len(states))}) ORDER BY seq"
         rows = self.db.execute(q, states).fetchall()
         try:  # one JSON document for every row: a restart with 10,000 leases parses it in one call
-            decoded = json.loads("[" + ",".join(f"[{r[6]},{r[7]},{r[17]}]" for r in rows) + "]")
-            if len(decoded) != len(rows) or any(len(d) != 3 for d in decoded):
+            decoded = json.loads("[" + ",".join(f"[{r[7]},{r[17]}]" for r in rows) + "]")
+            if len(decoded) != len(rows) or any(len(d) != 2 for d in decoded):
                 raise ValueError("row boundaries lost")
         except (ValueError, TypeError):  # a damaged row: parse row by row, so the error is about that row
             decoded = [None] * len(rows)
-        return [_lease(r, d) for r, d in zip(rows, decoded, strict=True)]
+        requests: dict[str, LeaseRequest] = {}
+        return [_lease(r, d, requests) for r, d in zip(rows, decoded, strict=True)]
 
     def get(self, lease_id: str) -> Lease | None:
         r = self.db.execute(f"SELECT {_COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()

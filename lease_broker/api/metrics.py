@@ -1,14 +1,13 @@
-"""Prometheus metrics, read from the manager at scrape time."""
+"""Prometheus metrics, read from the manager at scrape time (imported at the first scrape: see metrics_handler)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from tornado import web
 
 from ..lease import LeaseState
 from ..manager import LeaseManager
@@ -68,16 +67,7 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
 
 
-class MetricsHandler(web.RequestHandler):
-    def initialize(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-
-    def get(self) -> None:
-        self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        self.finish(generate_latest(self.registry))
-
-
 def registry_for(manager: LeaseManager) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=True)
+    reg = CollectorRegistry(auto_describe=False)  # True would collect once at start, over every lease
     reg.register(BrokerCollector(manager))
     return reg

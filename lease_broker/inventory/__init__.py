@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from importlib.metadata import entry_points
 from typing import Any
 
 from traitlets import Float, Unicode
@@ -107,26 +106,33 @@ class Inventory(LoggingConfigurable):
         pass
 
 
+_BUILTIN = {"simulated": "lease_broker.inventory.simulated:SimulatedInventory",
+            "nvml": "lease_broker.inventory.nvml:NVMLInventory",
+            "ray": "lease_broker.inventory.ray:RayInventory",
+            "slurm": "lease_broker.inventory.slurm:SlurmInventory"}
+
+
 def inventory_class(name: str) -> type[Inventory]:
-    """Load an inventory class by entry-point name (or ``module:Class``)."""
+    """Load an inventory class: a built-in name, another entry-point name, or ``module:Class``.
+
+    Built-in names are resolved without reading the installed packages' entry points (that costs ~40 ms of
+    every broker start).
+    """
     if ":" in name:
         import importlib
 
         mod, _, attr = name.partition(":")
         cls = getattr(importlib.import_module(mod), attr)
+    elif name in _BUILTIN:
+        return inventory_class(_BUILTIN[name])
     else:
+        from importlib.metadata import entry_points
+
         eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        builtin = {"simulated": "lease_broker.inventory.simulated:SimulatedInventory",
-                   "nvml": "lease_broker.inventory.nvml:NVMLInventory",
-                   "ray": "lease_broker.inventory.ray:RayInventory",
-                   "slurm": "lease_broker.inventory.slurm:SlurmInventory"}
-        if name in eps:
-            cls = eps[name].load()
-        elif name in builtin:
-            return inventory_class(builtin[name])
-        else:
-            choices = ", ".join(sorted(set(eps) | set(builtin) | {"auto"}))
+        if name not in eps:
+            choices = ", ".join(sorted(set(eps) | set(_BUILTIN) | {"auto"}))
             raise ValueError(f"Unknown inventory {name!r}: choose one of {choices} (--inventory)")
+        cls = eps[name].load()
     if not (isinstance(cls, type) and issubclass(cls, Inventory)):
         raise ValueError(f"Inventory {name!r} is not an Inventory subclass")
     return cls

@@ -18,11 +18,12 @@ from ..lease import parse_size
 from . import GPU, GpuSample, Inventory
 
 _NAMESPACE = uuid.UUID("6b1f9e0c-3f5e-4c27-9c1e-5a0f5e0d1a11")
+_NAMESPACE_BYTES = _NAMESPACE.bytes  # a property that builds the bytes at every call
 
 
 def gpu_uuid(name: str) -> str:
     """``str(uuid.uuid5(_NAMESPACE, name))`` without building UUID objects (10,000 GPUs at every start)."""
-    h = bytearray(hashlib.sha1(_NAMESPACE.bytes + name.encode()).digest()[:16])
+    h = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode()).digest()[:16])
     h[6] = (h[6] & 0x0F) | 0x50  # version 5
     h[8] = (h[8] & 0x3F) | 0x80  # RFC 4122 variant
     x = h.hex()
