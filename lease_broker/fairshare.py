@@ -52,10 +52,59 @@ class FairShare:
     def add(self, user: str, gpus: float, start: float, end: float, now: float) -> None:
         self.ended[user] = self.ended.get(user, 0.0) + decayed(gpus, start, end, now, self.half_life)
 
-    def usage(self, running: Iterable[tuple[str, float, float]], now: float) -> dict[str, float]:
-        """Decayed usage per user at ``now``: the ended total plus (user, gpus, granted_at) of running leases."""
-        self.decay_to(now)
-        out = dict(self.ended)
+
+class RunningUsage:
+    """The decayed usage of the leases running now, per user, kept as two sums so that a query costs O(1).
+
+    For a lease of ``g`` GPUs granted at ``s``, its usage at ``now`` is g·H/ln2·(1 − 2^−(now−s)/H). Over a user's
+    leases that is H/ln2·(G − 2^−(now−r)/H · W), with G = Σg and W = Σg·2^(s−r)/H for a reference time r: both
+    sums change only when a lease starts or ends. (Without decay, H ≤ 0: G·now − Σg·s.) ``rebuild`` moves r
+    forward before the weights grow large (``needs_rebase``); the GPU table feeds it every running lease.
+    """
+
+    REBASE_AFTER = 32.0  # half-lives: 2^32 is far from float's range, and rounding stays below 1e-6 GPU-seconds
+
+    def __init__(self, half_life: float) -> None:
+        self.half_life = half_life
+        self.ref: float | None = None
+        self.gpus: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+
+    def add(self, user: str, gpus: float, start: float | None, sign: int = 1) -> None:
+        if start is None:
+            return
+        if self.ref is None:
+            self.ref = start
+        h = self.half_life
+        w = gpus * (2.0 ** ((start - self.ref) / h) if h > 0 else start)
+        n = self.count.get(user, 0) + sign
+        if n <= 0:  # exactly zero, whatever rounding left
+            self.count.pop(user, None)
+            self.gpus.pop(user, None)
+            self.weighted.pop(user, None)
+            return
+        self.count[user] = n
+        self.gpus[user] = self.gpus.get(user, 0.0) + sign * gpus
+        self.weighted[user] = self.weighted.get(user, 0.0) + sign * w
+
+    def usage(self, user: str, now: float) -> float:
+        g = self.gpus.get(user)
+        if g is None or self.ref is None:
+            return 0.0
+        h = self.half_life
+        if h > 0:
+            value = h / LN2 * (g - 2.0 ** (-(now - self.ref) / h) * self.weighted[user])
+        else:
+            value = g * now - self.weighted[user]
+        return max(0.0, value)
+
+    def needs_rebase(self, now: float) -> bool:
+        return self.ref is not None and self.half_life > 0 and (now - self.ref) / self.half_life > self.REBASE_AFTER
+
+    def rebuild(self, half_life: float, running: Iterable[tuple[str, float, float | None]], ref: float) -> None:
+        """Start over with this half-life from (user, gpus, granted_at) of every running lease."""
+        self.half_life, self.ref = half_life, ref
+        self.gpus, self.weighted, self.count = {}, {}, {}
         for user, gpus, start in running:
-            out[user] = out.get(user, 0.0) + decayed(gpus, start, now, now, self.half_life)
-        return out
+            self.add(user, gpus, start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from .fairshare import RunningUsage
 from .inventory import GPU
 from .lease import HOLDING, Lease, LeaseState
 from .slots import Slot, SlotIndex
@@ -21,6 +22,7 @@ class _Held(NamedTuple):
     devices: tuple[str, ...]
     gpus: float
     user: str
+    granted_at: float | None
 
 
 class GpuTable:
@@ -45,6 +47,8 @@ class GpuTable:
         self.n_busy = {"leased": 0, "shared": 0}
         self._held: dict[str, _Held] = {}
         self._left: list[str] = []  # leases that stopped holding, until take_left()
+        half_life = getattr(self, "running", None)
+        self.running = RunningUsage(half_life.half_life if half_life is not None else 0.0)
         for lease in leases:
             self._register(lease)
         self.base = SlotIndex([self._slot(gid) for gid in self._static])
@@ -60,6 +64,13 @@ class GpuTable:
             self._refresh(gid)
 
     # ------------------------------------------------------------------ queries
+    def running_usage(self, users: Iterable[str], now: float, half_life: float) -> dict[str, float]:
+        """Decayed GPU-seconds of the leases these users hold now (fair share's running part)."""
+        r = self.running
+        if r.half_life != half_life or r.needs_rebase(now):
+            r.rebuild(half_life, ((h.user, h.gpus, h.granted_at) for h in self._held.values()), now)
+        return {u: r.usage(u, now) for u in users if u in r.gpus}
+
     def take_left(self) -> list[str]:
         """Leases that stopped holding GPUs since the last call (fair share moves their usage to history)."""
         left, self._left = self._left, []
@@ -127,12 +138,14 @@ class GpuTable:
             return []
         if lease.state not in HOLDING:
             return []
-        held = _Held(tuple(d for d in lease.devices if d in self._static), lease.gpu_count, lease.user)
+        held = _Held(tuple(d for d in lease.devices if d in self._static), lease.gpu_count, lease.user,
+                     lease.granted_at)
         self._held[lease.id] = held
         for d in held.devices:
             self.holders[d][lease.id] = lease
         self.holding_by_user.setdefault(held.user, {})[lease.id] = lease
         self.held_by_user[held.user] = self.held_by_user.get(held.user, 0.0) + held.gpus
+        self.running.add(held.user, held.gpus, held.granted_at)
         if lease.devices and len(lease.devices) < lease.request.max_gpus and not lease.request.shared:
             self.growable[lease.id] = lease
         return list(held.devices)
@@ -144,6 +157,7 @@ class GpuTable:
             return set()
         for d in held.devices:
             self.holders[d].pop(lease_id, None)
+        self.running.add(held.user, held.gpus, held.granted_at, sign=-1)
         mine = self.holding_by_user.get(held.user, {})
         mine.pop(lease_id, None)
         if mine:

@@ -88,10 +88,12 @@ class PolicyMixin:
                 iv = m.admin_store.ended_interval(lid)
                 if iv is not None:
                     fs.add(*iv, now=now)
-        holders = table.holding_by_user if users is None else {u: table.holding_by_user.get(u, {}) for u in users}
-        running = [(x.user, x.gpu_count, x.granted_at or now) for mine in holders.values() for x in mine.values()]
-        usage = fs.usage(running, now)
-        return usage if users is None else {u: usage[u] for u in users if u in usage}
+        fs.decay_to(now)
+        usage = dict(fs.ended) if users is None else {u: fs.ended[u] for u in users if u in fs.ended}
+        for user, running in table.running_usage(table.holding_by_user if users is None else users, now,
+                                                 fs.half_life).items():
+            usage[user] = usage.get(user, 0.0) + running
+        return usage
 
     def day_budget(self, now: float, users: set[str]) -> dict[str, float] | None:
         """GPU-seconds each user (and "@group") may still be granted in the rolling 24 h, or None (no quotas)."""

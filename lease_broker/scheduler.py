@@ -224,33 +224,43 @@ class _State:
             return None
         want_max = int(min(req.max_gpus, room + 1e-9))
         need = max(1, req.min_gpus) if req.locality == "node" else 1
-        free_by_node = {n: [s for s in self.nodes[n] if self._usable(s, end, p.user)]
-                        for n, k in self.ix.idle.items() if k >= need}  # only nodes with room
+        free_of: Callable[[str], list[Slot]]
+        if not self.reserved_from and not self.windows.of:  # nothing planned or reserved: usable = idle
+            counts = {n: k for n, k in self.ix.idle.items() if k >= need}  # exact: only nodes with room
+            free_of = self._idle_of
+        else:
+            free_by_node = {n: [s for s in self.nodes[n] if self._usable(s, end, p.user)]
+                            for n, k in self.ix.idle.items() if k >= need}
+            counts = {n: len(free) for n, free in free_by_node.items()}
+            free_of = free_by_node.__getitem__
         chosen: list[Slot] | None = None
-        fitting = [(len(free), n) for n, free in free_by_node.items() if len(free) >= req.min_gpus]
+        fitting = [(k, n) for n, k in counts.items() if k >= req.min_gpus]
         if fitting:
             # best fit: the node that will have the fewest GPUs left (keeps big holes for big gangs)
             if req.min_gpus == req.max_gpus:
                 _, node = min(fitting)
             else:
                 _, node = max(fitting)  # incremental: the node where it gets the most
-            free = free_by_node[node]
+            free = free_of(node)
             chosen = pick_connected(free, min(want_max, len(free)))
         elif req.locality == "any":
-            total = sum(len(f) for f in free_by_node.values())
+            total = sum(counts.values())
             if total >= req.min_gpus:
                 chosen = []
-                for _, node in sorted(((-len(f), n) for n, f in free_by_node.items())):
-                    need = min(want_max, total) - len(chosen)
-                    if need <= 0:
+                for k, node in sorted((-k, n) for n, k in counts.items()):
+                    more = min(want_max, total) - len(chosen)
+                    if more <= 0:
                         break
-                    chosen.extend(pick_connected(free_by_node[node], min(need, len(free_by_node[node]))))
+                    chosen.extend(pick_connected(free_of(node), min(more, -k)))
         if not chosen:
             return None
         chosen = [self.take(s, end) for s in chosen]
         self._charge(p, len(chosen))
         nodes = sorted({s.node for s in chosen})
         return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
+
+    def _idle_of(self, node: str) -> list[Slot]:
+        return [s for s in self.nodes[node] if s.idle]
 
     def grow(self, g: Growing) -> Grant | None:
         """Idle GPUs for a holding incremental lease, up to its max_gpus, on its node (any node with locality
