@@ -15,7 +15,7 @@ import os
 import pwd
 from typing import Any
 
-from traitlets import Bool, Dict, Float, Integer, List, Unicode, validate
+from traitlets import All, Bool, Dict, Float, Integer, List, Unicode, observe, validate
 from traitlets.config import Configurable
 
 from .errors import Forbidden
@@ -192,14 +192,37 @@ class LimitsPolicy(Configurable):
         return dict(proposal["value"])
 
     # ------------------------------------------------------------------------------------------
+    # groups_of() and limit() run several times per request: their answers are kept until a trait changes
+    # (a reload assigns new values; the policy's dicts are never changed in place).
+    @observe(All)
+    def _forget_answers(self, change: Any) -> None:
+        self.__dict__.pop("_answer_memo", None)
+
+    def _answers(self) -> dict[tuple[str, str], Any]:
+        answers: dict[tuple[str, str], Any] | None = self.__dict__.get("_answer_memo")
+        if answers is None:
+            answers = self.__dict__["_answer_memo"] = {}
+        return answers
+
     def groups_of(self, user: str) -> tuple[str, ...]:
-        configured = [g for g, members in self.group_members.items() if user in members]
-        if self.unix_groups:
-            configured.extend(unix_groups(user))
-        return tuple(sorted(set(configured)))
+        answers = self._answers()
+        found: tuple[str, ...] | None = answers.get(("", user))
+        if found is None:
+            configured = [g for g, members in self.group_members.items() if user in members]
+            if self.unix_groups:
+                configured.extend(unix_groups(user))
+            found = answers[("", user)] = tuple(sorted(set(configured)))
+        return found
 
     def limit(self, user: str, key: str) -> Any:
         """The effective limit ``key`` (one of LIMIT_KEYS) for ``user``."""
+        answers = self._answers()
+        if (user, key) not in answers:
+            answers[(user, key)] = self._limit(user, key)
+        value = answers[(user, key)]
+        return list(value) if isinstance(value, list) else value
+
+    def _limit(self, user: str, key: str) -> Any:
         own = self.user_limits.get(user, {})
         if key in own:
             return own[key]

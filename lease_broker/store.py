@@ -90,7 +90,7 @@ def _row(lease: Lease) -> tuple[Any, ...]:
         lease.uid,
         lease.state.value,
         lease.reason,
-        json.dumps(lease.request.to_json(), separators=(",", ":")),
+        lease.request.json_text(),
         json.dumps(lease.devices),
         lease.node,
         lease.created_at,

@@ -29,7 +29,7 @@ from referencing.jsonschema import DRAFT202012
 from tornado import web
 
 from lease_broker.api.handlers import default_handlers
-from lease_broker.api.metrics import MetricsHandler
+from lease_broker.api.metrics_handler import MetricsHandler
 from lease_broker.api.openapi import load
 
 SPEC = load()
