@@ -82,7 +82,10 @@ def _exit_to_grant(b: Broker, k: _Kernel, n: int) -> tuple[list[float], list[flo
         k.run("%%gpu\nimport time\n_t = [0.0]")  # warm up
         k.run("_gpulease_marks = []")
         k.kc.execute("%%gpu --out _t\nimport time, os\ntime.sleep(0.5)\n_t = [time.time()]")
-        time.sleep(0.2)  # the cell holds the only GPU now
+        probe = BrokerClient(url)
+        deadline = time.time() + 30
+        while not probe.gpus()["summary"]["states"].get("leased") and time.time() < deadline:  # the cell holds it
+            time.sleep(0.005)
         t = threading.Thread(target=wait_grant)
         t.start()
         t.join(60)

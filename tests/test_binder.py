@@ -37,4 +37,4 @@ def test_binder_postbuild_and_start_in_a_fresh_virtualenv(tmp_path: Path) -> Non
         assert run.returncode == 0, run.stdout + run.stderr
         assert "(SIMULATED inventory): 4/4 GPUs free" in run.stdout
     finally:  # `start` leaves its broker running beside the command it execs, as on Binder
-        subprocess.run(["pkill", "-f", f"--socket={tmp_path}"], check=False)
+        subprocess.run(["pkill", "-f", f"socket={tmp_path}"], check=False)  # no leading "--": not an option
