@@ -27,6 +27,10 @@ class _Held(NamedTuple):
 
 class GpuTable:
     def __init__(self, gpus: Iterable[GPU]) -> None:
+        self.set_gpus(gpus, ())
+
+    def set_gpus(self, gpus: Iterable[GPU], leases: Iterable[Lease]) -> None:
+        """A new inventory (an engine's node joined or left): start over from these GPUs and live leases."""
         self._static = {g.id: Slot(id=g.id, node=g.node, index=g.index, link_group=g.link_group,
                                    memory_total=g.memory_total) for g in gpus}
         per_node: dict[str, int] = {}
@@ -34,7 +38,7 @@ class GpuTable:
             per_node[g.node] = per_node.get(g.node, 0) + 1
         self.biggest_node = max(per_node.values(), default=0)
         self.largest_memory = max((s.memory_total for s in self._static.values()), default=0)
-        self.rebuild(())
+        self.rebuild(leases)
 
     def rebuild(self, leases: Iterable[Lease]) -> None:
         """Start over from these leases (the live ones)."""
@@ -46,7 +50,7 @@ class GpuTable:
         self.busy: dict[str, str] = {}  # GPU -> "leased" or "shared" (held by at least one lease)
         self.n_busy = {"leased": 0, "shared": 0}
         self._held: dict[str, _Held] = {}
-        self._left: list[str] = []  # leases that stopped holding, until take_left()
+        self._left: list[str] = getattr(self, "_left", [])  # leases that stopped holding, until take_left()
         half_life = getattr(self, "running", None)
         self.running = RunningUsage(half_life.half_life if half_life is not None else 0.0)
         for lease in leases:
@@ -104,11 +108,12 @@ class GpuTable:
         counts["free"] = len(self._static) - sum(counts.values())
         return {k: v for k, v in counts.items() if v}
 
-    def verify(self, leases: Iterable[Lease]) -> list[str]:
-        """What differs from a table rebuilt from ``leases`` (empty when it agrees)."""
-        fresh = GpuTable.__new__(GpuTable)
-        fresh._static, fresh.biggest_node = self._static, self.biggest_node
+    def verify(self, leases: Iterable[Lease], gpus: Iterable[GPU]) -> list[str]:
+        """What differs from a table made from these GPUs and live leases (empty when it agrees)."""
+        fresh = GpuTable(gpus)
         fresh.rebuild(leases)
+        if set(fresh._static) != set(self._static):
+            return [f"GPUs: {sorted(self._static)} != {sorted(fresh._static)} (inventory changed without set_gpus)"]
         diffs = []
         for gid, s in fresh.base.by_id.items():
             if _rounded(s) != _rounded(self.base.by_id[gid]):

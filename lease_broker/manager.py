@@ -284,6 +284,11 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
             user=lease.user,
         )
 
+    def set_gpus(self, gpus: list[GPU]) -> None:
+        """The inventory changed (an engine's node joined or left); leases on GPUs that left are the caller's."""
+        self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}
+        self.table.set_gpus(gpus, self.leases.values())
+
     # ------------------------------------------------------------------ scheduling
     def slot_index(self) -> SlotIndex:
         """The GPUs for a pass: the table's index, with draining GPUs free after term_timeout, unhealthy never."""
@@ -326,7 +331,7 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
 
     def schedule(self) -> int:
         if self._verify_table:
-            diffs = self.table.verify(self.leases.values())
+            diffs = self.table.verify(self.leases.values(), self.gpus)
             assert not diffs, "GPU table out of step with the leases: " + "; ".join(diffs[:5])
         pending = self.pending()
         if not pending and not self.preempting and not self.growable():

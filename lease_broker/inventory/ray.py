@@ -359,7 +359,7 @@ class RayInventory(Inventory):
         gone = set(manager.gpu_by_id) - {g.id for g in gpus}
         log.info("Ray inventory changed: %d GPU(s) on %d node(s); gone: %s",
                  len(gpus), len({g.node for g in gpus}), ", ".join(sorted(gone)) or "none")
-        manager.gpus, manager.gpu_by_id = gpus, {g.id: g for g in gpus}
+        manager.set_gpus(gpus)
         for lease in list(manager.leases.values()):
             if lease.state in HOLDING and any(d in gone for d in lease.devices):
                 nodes = sorted({d.split(":")[1] for d in lease.devices if d in gone})

@@ -122,7 +122,7 @@ class SlurmReconciler(SlurmAllocations):
             gone = set(manager.gpu_by_id) - {g.id for g in gpus}
             log.info("Slurm inventory changed: %d GPU(s) on %d node(s); gone: %s", len(gpus),
                      len({g.node for g in gpus}), ", ".join(sorted(gone)) or "none")
-            manager.gpus, manager.gpu_by_id = gpus, {g.id: g for g in gpus}
+            manager.set_gpus(gpus)
             for lease in [v for v in manager.leases.values() if v.state in HOLDING]:
                 if any(d in gone for d in lease.devices):
                     self._end(manager, lease, "device_gone: no longer in Slurm's partition " + self.partition)
