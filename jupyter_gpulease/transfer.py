@@ -137,7 +137,8 @@ def dumps(value: Any, directory: str | None = None) -> dict[str, Any]:
     if big:
         path = os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
         spans = []
-        with open(path, "wb") as fh:
+        # readable by this user only (the values are the user's data); O_EXCL: never an existing file or link
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
             off = 0
             for b in big:
                 raw = b.raw()

@@ -17,6 +17,7 @@ def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> No
     small = np.arange(10)
     packed = transfer.dumps({"big": big, "alias": big, "small": small}, str(tmp_path))
     assert packed["file"] and os.path.getsize(packed["file"]) == big.nbytes  # only the big buffer went out
+    assert os.stat(packed["file"]).st_mode & 0o777 == 0o600  # the user's data: no one else may read it
     assert len(packed["data"]) < 10_000
     out = transfer.loads(packed)
     assert not os.path.exists(packed["file"])  # mapped, then removed at once
