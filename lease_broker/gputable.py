@@ -3,8 +3,9 @@
 A scheduling pass runs on every request, release and tick. Rebuilding its view of the GPUs from every live
 lease made a grant cost O(leases + GPUs); the table instead updates only the GPUs of a lease that changed
 (``sync``, called by the manager on every transition, growth, renewal or device change), and a pass works on a
-fork of its ``SlotIndex``. ``verify`` recomputes everything from the leases and says what differs: the test
-suite runs it after every pass (``GPULEASE_VERIFY_TABLE=1``), so a change that forgets to ``sync`` fails there.
+fork of its ``SlotIndex``. ``verify`` recomputes everything from the inventory and the live leases and says what
+differs: every broker in the test suite runs it before each pass (``GPULEASE_VERIFY_TABLE=1``), so a change that
+forgets to ``sync`` (or ``set_gpus``) fails there.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class GpuTable:
         self.n_busy = {"leased": 0, "shared": 0}
         self._held: dict[str, _Held] = {}
         self._left: list[str] = getattr(self, "_left", [])  # leases that stopped holding, until take_left()
-        half_life = getattr(self, "running", None)
-        self.running = RunningUsage(half_life.half_life if half_life is not None else 0.0)
+        previous = getattr(self, "running", None)
+        self.running = RunningUsage(previous.half_life if previous is not None else 0.0)
         for lease in leases:
             self._register(lease)
         self.base = SlotIndex([self._slot(gid) for gid in self._static])
