@@ -199,26 +199,36 @@ class SlurmWorker:
 
     # ---------------------------------------------------------------- output
     def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:
+        if not self._results:
+            if self._done:
+                raise WorkerCrashed(self.returncode, self._tail())
+            self._fetch(0.5 if timeout is None else timeout, out, err)
         if self._results:
-            return self._results.pop(0)
-        if self._done:
-            raise WorkerCrashed(self.returncode, self._tail())
-        self._fetch(0.5 if timeout is None else timeout, out, err)
-        if self._results:
+            self._settle(out, err)
             return self._results.pop(0)
         return None
 
-    def _fetch(self, timeout: float, out: Sink, err: Sink) -> None:
+    def _settle(self, out: Sink, err: Sink) -> None:
+        """The worker flushed its output before it answered, but the relay in the step reads the worker's
+        pipes in separate threads: take what is still on the way, so the cell's last lines come before its
+        result (and not in the next cell)."""
+        for _ in range(20):
+            if self._done or not self._fetch(0.05, out, err):
+                return
+
+    def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
+        """Relay what the step sent; returns how many chunks of output (stdout/stderr) it brought."""
         batch: list[tuple[int, bytes]] = []
         try:
             batch.append(self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait())
         except queue.Empty:
-            return
+            return 0
         while True:
             try:
                 batch.append(self.events.get_nowait())
             except queue.Empty:
                 break
+        chunks = 0
         for tag, data in batch:
             if tag == -1:
                 self._done = True
@@ -232,11 +242,13 @@ class SlurmWorker:
                     else:
                         self._results.append(msg)
             elif tag in (STDOUT, STDERR) and data:
+                chunks += 1
                 if tag == STDERR:
                     self._stderr_tail = (self._stderr_tail + data)[-4000:]
                 text = self._decoders[tag].decode(data)
                 if text:
                     (out if tag == STDOUT else err)(text)
+        return chunks
 
     def _tail(self) -> str:
         return self._stderr_tail.decode(errors="replace")

@@ -263,7 +263,7 @@ def test_session_keeps_its_step_worker_across_cells(kernel: Any, client: BrokerC
     r2 = kernel.run("%%gpu --session sl\nmodel.append(4)\nprint(os.getpid(), model)", timeout=60)
     assert r2.status == "ok", (r2.outputs, r2.reply)
     pid, node = r1.stdout.split()[:2]
-    assert node == "n2" and r2.stdout.split()[0] == pid and "[1, 2, 3, 4]" in r2.stdout
+    assert node == "n2" and r2.stdout.split()[0] == pid and "[1, 2, 3, 4]" in r2.stdout, (r1.stdout, r2.stdout)
     lease = next(v for v in client.leases() if v["state"] not in ENDED)
     assert lease["placement"]["kind"] == "slurm"
     kernel.run("%gpu session stop sl")
