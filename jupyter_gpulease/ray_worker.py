@@ -32,7 +32,7 @@ import time
 from typing import Any, cast
 
 from . import transfer
-from .runner import Sink, Worker, WorkerCrashed, _Decoder, worker_env
+from .runner import RelayedPoll, Sink, Worker, WorkerCrashed, _Decoder, worker_env
 
 START_TIMEOUT = float(os.environ.get("GPULEASE_RAY_START_TIMEOUT", "120"))  # seconds for the actor to start
 _SEQ = itertools.count(1)
@@ -143,7 +143,7 @@ def _connect(placement: dict[str, Any]) -> Any:
     return ray
 
 
-class RayWorker:
+class RayWorker(RelayedPoll):
     """Kernel side: the same methods as runner.Worker, for a worker that runs in a Ray actor."""
 
     local = False  # not a process of this host: nothing to attach to the lease by pid
@@ -213,23 +213,11 @@ class RayWorker:
         ray.get(self.actor.submit.remote(job), timeout=START_TIMEOUT)
 
     # ---------------------------------------------------------------- output
-    def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:
-        if self._results:
-            return self._results.pop(0)
-        if self._done or self._dead:
-            raise WorkerCrashed(self._returncode, self._tail())
-        self._fetch(0.5 if timeout is None else timeout, out, err)
-        if self._results:
-            self._settle(out, err)
-            return self._results.pop(0)
-        return None
+    def _ended(self) -> bool:
+        return bool(self._done or self._dead)
 
-    def _settle(self, out: Sink, err: Sink) -> None:
-        """The worker flushed its output before it answered, but the actor reads its pipes in separate
-        threads: take what is still on the way, so the cell's last lines come before its result."""
-        for _ in range(20):
-            if self._done or self._dead or not self._fetch(0.05, out, err):
-                return
+    def _crashed(self) -> WorkerCrashed:
+        return WorkerCrashed(self._returncode, self._tail())
 
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
         """Relay what the actor has; returns how many chunks of output (stdout/stderr) it brought."""

@@ -39,6 +39,37 @@ class WorkerCrashed(Exception):
         super().__init__(f"The GPU worker {how} before the cell finished.{tail}")
 
 
+class RelayedPoll:
+    """``poll()`` for workers whose output and results reach the kernel through a relay that reads the
+    worker's pipes in separate threads (a Ray actor, a Slurm step): the worker flushed its output before it
+    answered, so what is still on the way is taken before the result, and the cell's last lines never
+    arrive after it (in the next cell)."""
+
+    _results: list[dict[str, Any]]
+
+    def _ended(self) -> bool:
+        raise NotImplementedError
+
+    def _crashed(self) -> WorkerCrashed:
+        raise NotImplementedError
+
+    def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
+        """Relay what arrived within ``timeout``; returns how many chunks of output it brought."""
+        raise NotImplementedError
+
+    def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:
+        if not self._results:
+            if self._ended():
+                raise self._crashed()
+            self._fetch(0.5 if timeout is None else timeout, out, err)
+        if not self._results:
+            return None
+        for _ in range(20):  # settle: at most ~50 ms once nothing more comes
+            if self._ended() or not self._fetch(0.05, out, err):
+                break
+        return self._results.pop(0)
+
+
 def _describe_status(status: int | None) -> str:
     if status is None:
         return "vanished"

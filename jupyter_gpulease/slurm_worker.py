@@ -39,7 +39,7 @@ import time
 from typing import IO, Any, cast
 
 from . import transfer
-from .runner import Sink, Worker, WorkerCrashed, _Decoder, worker_env
+from .runner import RelayedPoll, Sink, Worker, WorkerCrashed, _Decoder, worker_env
 from .slurm_relay import CTRL, EXIT, INFO, JOB, KILL, SIGNAL, STDERR, STDOUT, _line, _parse, main
 from .slurm_relay import _Relay as _Relay  # the relay (on the GPU node): `python -m jupyter_gpulease.slurm_worker`
 
@@ -91,7 +91,7 @@ def wait_for_job(name: str, timeout: float) -> str:
         time.sleep(0.02)
 
 
-class SlurmWorker:
+class SlurmWorker(RelayedPoll):
     """Kernel side: the same methods as runner.Worker, for a worker that runs as a Slurm job step."""
 
     local = False  # not a process of this host: nothing to attach to the lease by pid
@@ -198,23 +198,11 @@ class SlurmWorker:
             pass  # the step is gone: poll() says how
 
     # ---------------------------------------------------------------- output
-    def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:
-        if not self._results:
-            if self._done:
-                raise WorkerCrashed(self.returncode, self._tail())
-            self._fetch(0.5 if timeout is None else timeout, out, err)
-        if self._results:
-            self._settle(out, err)
-            return self._results.pop(0)
-        return None
+    def _ended(self) -> bool:
+        return self._done
 
-    def _settle(self, out: Sink, err: Sink) -> None:
-        """The worker flushed its output before it answered, but the relay in the step reads the worker's
-        pipes in separate threads: take what is still on the way, so the cell's last lines come before its
-        result (and not in the next cell)."""
-        for _ in range(20):
-            if self._done or not self._fetch(0.05, out, err):
-                return
+    def _crashed(self) -> WorkerCrashed:
+        return WorkerCrashed(self.returncode, self._tail())
 
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
         """Relay what the step sent; returns how many chunks of output (stdout/stderr) it brought."""
