@@ -82,10 +82,12 @@ def probe_info(path: str) -> bool:
 
 
 class Conn:
-    """One keep-alive HTTP/1.1 connection to the broker's Unix socket (asyncio, no dependencies)."""
+    """One keep-alive HTTP/1.1 connection to the broker (asyncio, no dependencies); with a bearer token over
+    TCP."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str | None = None) -> None:
         self.reader, self.writer = reader, writer
+        self.auth = f"Authorization: Bearer {token}\r\n" if token else ""
 
     @classmethod
     async def open(cls, path: str) -> "Conn":
@@ -94,7 +96,7 @@ class Conn:
 
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else b""
-        head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(data)}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n{self.auth}Content-Length: {len(data)}\r\n"
         if data:
             head += "Content-Type: application/json\r\n"
         self.writer.write(head.encode() + b"\r\n" + data)

@@ -7,7 +7,6 @@ over TCP with a bearer token; what they saw goes into a :class:`~benchmarks.load
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import resource
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import broker as broker_bench
 from .load_checks import HOLDING, LoadResult, Witness
 
 TIMEOUT = 60.0  # seconds for one request; more is an error
@@ -120,15 +120,11 @@ def _raise_fd_limit(need: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- HTTP
-class Conn:
-    """One keep-alive HTTP/1.1 connection (Unix socket, or TCP with a bearer token)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str | None) -> None:
-        self.reader, self.writer = reader, writer
-        self.auth = f"Authorization: Bearer {token}\r\n" if token else ""
+class Conn(broker_bench.Conn):
+    """One keep-alive HTTP/1.1 connection (Unix socket, or TCP with a bearer token); every call times out."""
 
     @classmethod
-    async def open(cls, unix: str | None, port: int, token: str | None) -> "Conn":
+    async def connect(cls, unix: str | None, port: int, token: str | None) -> "Conn":
         if unix is not None:
             reader, writer = await asyncio.open_unix_connection(unix, limit=1 << 22)
         else:
@@ -136,26 +132,7 @@ class Conn:
         return cls(reader, writer, token)
 
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return await asyncio.wait_for(self._call(method, path, body), TIMEOUT)
-
-    async def _call(self, method: str, path: str, body: Any) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else b""
-        head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n{self.auth}Content-Length: {len(data)}\r\n"
-        if data:
-            head += "Content-Type: application/json\r\n"
-        self.writer.write(head.encode() + b"\r\n" + data)
-        raw = await self.reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        length = 0
-        for line in lines[1:]:
-            if line.lower().startswith("content-length:"):
-                length = int(line.split(":", 1)[1])
-        payload = await self.reader.readexactly(length) if length else b""
-        return status, json.loads(payload) if payload else None
-
-    def close(self) -> None:
-        self.writer.close()
+        return await asyncio.wait_for(super().call(method, path, body), TIMEOUT)
 
 
 # ---------------------------------------------------------------------------------------------- the clients
@@ -172,7 +149,7 @@ async def _client(i: int, cfg: LoadConfig, broker: LoadBroker, deadline: float, 
     token = broker.tokens[sorted(broker.tokens)[i % len(broker.tokens)]] if tcp else None
     async with gate:  # connect in a ramp: at most 50 handshakes at once
         try:
-            conn = await asyncio.wait_for(Conn.open(None if tcp else broker.socket, broker.port, token), TIMEOUT)
+            conn = await asyncio.wait_for(Conn.connect(None if tcp else broker.socket, broker.port, token), TIMEOUT)
         except (OSError, asyncio.TimeoutError) as e:
             r.errors.append(f"client {i}: connect: {e!r}")
             return
@@ -247,7 +224,7 @@ async def _one_lease(conn: Conn, rng: random.Random, cfg: LoadConfig, deadline: 
 
 
 async def _monitor(broker: LoadBroker, deadline: float, r: LoadResult) -> None:
-    conn = await Conn.open(broker.socket, 0, None)
+    conn = await Conn.connect(broker.socket, 0, None)
     last, last_t = 0, time.monotonic()
     try:
         while time.monotonic() < deadline:
