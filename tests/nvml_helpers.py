@@ -7,12 +7,11 @@ import ctypes
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fake_nvml import build
+from waiting import wait_for as wait_for  # re-exported: the NVML tests import it from here
 
 T = TypeVar("T")
 
@@ -49,17 +48,6 @@ def use_fake_library() -> Path:
     lib = build()
     use_library(lib)
     return lib
-
-
-def wait_for(cond: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not met within {timeout} s: {what or cond}")
-        time.sleep(interval)
 
 
 WORKER = """

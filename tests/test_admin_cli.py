@@ -12,10 +12,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from test_openapi import Caller, Unix, free_port, token_for
+from waiting import wait_for
 
 ME = getpass.getuser()
 
@@ -30,16 +30,6 @@ def gpulease(url, *args, check=True, token=None):
     if check:
         assert r.returncode == 0, r.stderr
     return r
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture

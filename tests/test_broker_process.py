@@ -12,18 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
-
-
-def wait_for(cond, timeout=10.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def test_many_concurrent_clients_get_distinct_gpus_and_the_rest_queue(broker_factory):

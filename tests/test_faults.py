@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from broker_process import BrokerProcess
 from kernels import Kernel
+from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
@@ -33,16 +34,6 @@ def record(**fields: object) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(fields) + "\n")
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _holding(c: BrokerClient) -> list[dict]:

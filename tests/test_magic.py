@@ -10,16 +10,7 @@ from pathlib import Path
 
 import pytest
 from kernels import Kernel
-
-
-def _wait_for(cond, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+from waiting import wait_for
 
 
 def _wait_ended(client, lease_id: str, timeout: float) -> dict:  # type: ignore[no-untyped-def]
@@ -27,7 +18,7 @@ def _wait_ended(client, lease_id: str, timeout: float) -> dict:  # type: ignore[
         lease = client.lease(lease_id)
         return lease if lease["ended_at"] else None
 
-    return _wait_for(ended, timeout, f"lease {lease_id} to end")  # type: ignore[no-any-return]
+    return wait_for(ended, timeout, f"lease {lease_id} to end")  # type: ignore[no-any-return]
 
 
 def _alive(pid: int) -> bool:
@@ -88,7 +79,7 @@ def test_training_cell_with_in_out_and_streamed_output_then_kernel_cell(kernel: 
     # the kernel got the outputs, and holds no GPU for the next (plotting) cell
     r2 = kernel.run("import os\nprint(w.tolist(), history, repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
     assert r2.stdout.strip() == "[3.0, 3.0, 3.0] [3.0, 6.0, 9.0] ''"
-    _wait_for(lambda: _holding(client) == [], 5, "the lease to be released")
+    wait_for(lambda: _holding(client) == [], 5, "the lease to be released")
 
 
 def _buffer_files() -> set[str]:
@@ -125,7 +116,7 @@ def test_error_shows_the_cells_own_traceback(kernel: Kernel, client) -> None:
     # line numbers as the notebook editor shows them (line 1 is the %%gpu line)
     assert "<gpu In[" in tb and "line 6, in <module>" in tb and "line 5, in f" in tb and "return 1 / 0" in tb
     assert "worker.py" not in tb and "magics.py" not in tb and "cellrun.py" not in tb
-    _wait_for(lambda: _holding(client) == [], 5, "the lease to be released")  # released after the error too
+    wait_for(lambda: _holding(client) == [], 5, "the lease to be released")  # released after the error too
     r = kernel.run("%%gpu\nout = 'x' * 3\nout\n")
     assert r.status == "ok" and r.result == "'xxx'"
 
@@ -157,8 +148,8 @@ def test_interrupt_stops_the_worker_and_releases(kernel: Kernel, client) -> None
     r = kernel.collect(msg_id)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
     assert "time.sleep(0.05)" in "\n".join(r.error["traceback"])  # the worker's own traceback
-    _wait_for(lambda: not _alive(pid), 5, "worker exit")
-    _wait_for(lambda: client.lease(lease_id)["state"] == "released", 5, "release")
+    wait_for(lambda: not _alive(pid), 5, "worker exit")
+    wait_for(lambda: client.lease(lease_id)["state"] == "released", 5, "release")
     assert kernel.run("print('still usable')").stdout == "still usable\n"
 
 
@@ -172,7 +163,7 @@ def test_kernel_death_kills_worker_and_lease_is_revoked(broker_factory, kernel_f
     lease_id = _holding(c)[0]["id"]
     k.kill9()
     t0 = time.monotonic()
-    _wait_for(lambda: not _alive(pid), 5, "the worker to die with its kernel")
+    wait_for(lambda: not _alive(pid), 5, "the worker to die with its kernel")
     assert time.monotonic() - t0 < 1.5
     lease = _wait_ended(c, lease_id, 15)
     assert lease["state"] == "revoked" and lease["reason"] == "holder_gone"
@@ -206,13 +197,13 @@ def test_session_keeps_its_worker_and_is_revoked_when_idle(broker_factory, kerne
     lease_id = _holding(c)[0]["id"]
     lease = _wait_ended(c, lease_id, 15)
     assert lease["state"] == "revoked" and lease["reason"] == "idle"
-    _wait_for(lambda: not _alive(pid), 5, "the session worker to be stopped")
+    wait_for(lambda: not _alive(pid), 5, "the session worker to be stopped")
     r3 = k.run("%%gpu --session m\nprint('model' in dir())")
     assert "ended" in r3.stderr and "starting a new one" in r3.stderr and "False" in r3.stdout
     warnings = [m for m in k.stray if m["msg_type"] == "stream" and "will be revoked" in m["content"]["text"]]
     assert warnings, "the idle warning should reach the session's cell"
     k.run("%gpu session stop m")
-    _wait_for(lambda: _holding(c) == [], 5, "the session lease to be released")
+    wait_for(lambda: _holding(c) == [], 5, "the session lease to be released")
 
 
 def test_background_output_lands_in_its_own_cell(kernel: Kernel, client) -> None:
@@ -222,7 +213,7 @@ def test_background_output_lands_in_its_own_cell(kernel: Kernel, client) -> None
     assert r_bg.status == "ok" and "runs in the background" in r_bg.stdout
     r = kernel.run("import time\nprint('foreground')")
     assert "bg line" not in r.stdout
-    _wait_for(lambda: kernel.run("print(res if 'res' in dir() else None)").stdout.strip() == "42", 20, "bg result")
+    wait_for(lambda: kernel.run("print(res if 'res' in dir() else None)").stdout.strip() == "42", 20, "bg result")
     bg_text = "".join(m["content"]["text"] for m in kernel.stray
                       if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == bg)
     assert "bg line 0" in bg_text and "bg line 2" in bg_text and "[job1] gpulease: lease" in bg_text
@@ -235,7 +226,7 @@ def test_artifacts_are_written_and_load_back(kernel: Kernel, tmp_path: Path) -> 
     assert r.status == "ok", r.outputs
     lease_id = r.stdout.split("gpulease: lease ")[1].split()[0]
     d = tmp_path / "artifacts" / lease_id
-    _wait_for(lambda: (d / "meta.json").exists(), 5, "meta.json")
+    wait_for(lambda: (d / "meta.json").exists(), 5, "meta.json")
     meta = json.loads((d / "meta.json").read_text())
     assert meta["lease_id"] == lease_id and meta["status"] == "ok" and meta["exit_status"] == 0
     assert meta["devices"] and len(meta["code_sha256"]) == 1
@@ -250,7 +241,7 @@ def test_worker_crash_is_a_clear_error_and_releases(kernel: Kernel, client) -> N
     r = kernel.run("%%gpu\nimport os, sys\nprint('about to crash', file=sys.stderr, flush=True)\nos.abort()")
     assert r.status == "error" and r.error is not None and r.error["ename"] == "WorkerCrashed"
     assert "SIGABRT" in r.error["evalue"] and "about to crash" in r.error["evalue"]
-    _wait_for(lambda: _holding(client) == [], 5, "the lease to be released")
+    wait_for(lambda: _holding(client) == [], 5, "the lease to be released")
     r = kernel.run("%%gpu\nimport sys\nsys.exit(3)")
     assert r.error is not None and r.error["ename"] == "SystemExit"
 
@@ -273,7 +264,7 @@ def test_interrupt_while_queued_cancels_the_request(broker_factory, kernel_facto
     held = c.request_lease(1, heartbeat=False)
     k = kernel_factory(b)
     msg_id = k.submit("%%gpu\nprint('never')")
-    _wait_for(lambda: c.queue(), 10, "the request to queue")
+    wait_for(lambda: c.queue(), 10, "the request to queue")
     time.sleep(0.3)
     k.km.interrupt_kernel()
     r = k.collect(msg_id)

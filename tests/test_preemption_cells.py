@@ -5,12 +5,14 @@ says it was preempted and by which class (not by whom: the user is no admin of t
 
 from __future__ import annotations
 
+import functools
 import getpass
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import waiting
 from broker_process import BrokerProcess
 from kernels import Kernel
 
@@ -26,14 +28,7 @@ CELL = (
 )
 
 
-def wait_for(cond, timeout=15.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
+wait_for = functools.partial(waiting.wait_for, timeout=15.0)
 
 
 @pytest.fixture

@@ -7,13 +7,15 @@ test process, which is a driver of the same cluster.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
 
@@ -27,15 +29,7 @@ pytestmark = [
 T = 60.0  # generous: on a busy 2-core machine an actor may take seconds to start
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = T, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
+wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,9 @@ from pathlib import Path
 import pytest
 from kernels import Kernel
 from test_broker_process import SECOND_USER, _raw, as_user, second_user  # noqa: F401  (fixture)
+from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _shared_socket_dir() -> str:

@@ -6,15 +6,17 @@ Needs root; skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import waiting
 from broker_process import BrokerProcess
 from slurm_cluster import MAX_TIME_MINUTES, LocalSlurmCluster, local_slurm_cluster, slurm_missing
 
@@ -26,15 +28,7 @@ T = 30.0
 ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = T, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.02)
 
 
 def start_broker(cluster: LocalSlurmCluster, workdir: Path, *args: str) -> BrokerProcess:

@@ -1,0 +1,21 @@
+"""Polling until something becomes true, for the tests that watch real processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.05) -> T:
+    """The first truthy value of ``cond()`` within ``timeout`` seconds; AssertionError naming ``what`` if none."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or 'the condition'}")
+        time.sleep(interval)
