@@ -27,8 +27,8 @@ class _Held(NamedTuple):
 
 
 class GpuTable:
-    def __init__(self, gpus: Iterable[GPU]) -> None:
-        self.set_gpus(gpus, ())
+    def __init__(self, gpus: Iterable[GPU], leases: Iterable[Lease] = ()) -> None:
+        self.set_gpus(gpus, leases)
 
     def set_gpus(self, gpus: Iterable[GPU], leases: Iterable[Lease]) -> None:
         """A new inventory (an engine's node joined or left): start over from these GPUs and live leases."""
@@ -111,8 +111,7 @@ class GpuTable:
 
     def verify(self, leases: Iterable[Lease], gpus: Iterable[GPU]) -> list[str]:
         """What differs from a table made from these GPUs and live leases (empty when it agrees)."""
-        fresh = GpuTable(gpus)
-        fresh.rebuild(leases)
+        fresh = GpuTable(gpus, leases)
         if set(fresh._static) != set(self._static):
             return [f"GPUs: {sorted(self._static)} != {sorted(fresh._static)} (inventory changed without set_gpus)"]
         diffs = []

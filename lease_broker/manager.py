@@ -296,8 +296,8 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
                                      self.clock.now() + self.policy.term_timeout)
 
     def slots(self) -> list[Slot]:
-        """A copy of every GPU as a pass sees it (for callers that change them)."""
-        return [s.clone() for s in self.slot_index().all()]
+        """Every GPU as a pass sees it, to read (change them through ``slot_index().edit``)."""
+        return self.slot_index().all()
 
     def held_by_user(self) -> dict[str, float]:
         return dict(self.table.held_by_user)

@@ -146,12 +146,13 @@ class PolicyMixin:
             )
         wins = reservations.windows(m, now) if m.reservation_list(now) else []
         if wins:  # not into a reservation that would then lack GPUs at its start (unless a member holds it)
-            slots = m.slots()
-            before = window_shortfall(slots, wins, now)
-            for s in slots:
-                if s.id in lease.devices:
+            ix = m.slot_index()  # a fork: the renewal is tried on its own copies of the lease's slots
+            before = window_shortfall(ix.all(), wins, now)
+            for d in lease.devices:
+                if d in ix.by_id:
+                    s = ix.edit(d)
                     s.free_at = max(s.free_at, new_expiry)
-            after = window_shortfall(slots, wins, now)
+            after = window_shortfall(ix.all(), wins, now)
             w = next((w for w in sorted(wins, key=lambda w: w.start) if after[w.id] > before[w.id]), None)
             if w is not None:
                 raise Forbidden(
