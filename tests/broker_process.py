@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,3 +82,16 @@ class BrokerProcess:
     def restart(self) -> "BrokerProcess":
         self.stop()
         return self.start()
+
+
+def scrape_metrics(socket_path: str) -> str:
+    """GET /metrics over the broker's Unix socket (Prometheus text)."""
+
+    class Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.connect(socket_path)
+
+    conn = Conn("localhost")
+    conn.request("GET", "/metrics")
+    return conn.getresponse().read().decode()

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from broker_process import scrape_metrics
 from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
@@ -244,16 +245,8 @@ def test_tcp_requires_a_valid_token(broker_factory, tmp_path):
 def test_metrics_endpoint(broker):
     c = broker.client()
     c.request_lease(1, heartbeat=False)
-    import http.client
 
-    class Conn(http.client.HTTPConnection):
-        def connect(self):
-            self.sock = socket.socket(socket.AF_UNIX)
-            self.sock.connect(broker.socket)
-
-    conn = Conn("localhost")
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
+    text = scrape_metrics(broker.socket)
     assert 'gpulease_gpus{simulated="true",state="leased"} 1.0' in text
     assert 'gpulease_leases{state="granted"} 1.0' in text
 
@@ -352,7 +345,6 @@ def as_user(pw, fn):
 
 def test_grafana_dashboard_queries_name_series_the_broker_exports(broker):
     """deploy/grafana-dashboard.json: every panel's query uses metric and label names /metrics really has."""
-    import http.client
     import json
     import re
     from pathlib import Path
@@ -360,14 +352,7 @@ def test_grafana_dashboard_queries_name_series_the_broker_exports(broker):
     c = broker.client()
     c.request_lease(1, heartbeat=False)
 
-    class Conn(http.client.HTTPConnection):
-        def connect(self):
-            self.sock = socket.socket(socket.AF_UNIX)
-            self.sock.connect(broker.socket)
-
-    conn = Conn("localhost")
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
+    text = scrape_metrics(broker.socket)
     exported: dict[str, set[str]] = {}
     sampled: set[str] = set()
     for line in text.splitlines():

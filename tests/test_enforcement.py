@@ -3,28 +3,16 @@ activity, and processes that use a GPU without a lease (fake NVML driver, real p
 
 from __future__ import annotations
 
-import http.client
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+from broker_process import scrape_metrics
 from fake_nvml import FakeNvml, FakeProc
 from nvml_helpers import EventLog, Worker, wait_for
 
 NVML_ARGS = ["--inventory=nvml", "--tick=0.1", "--LeaseBroker.sample_seconds=0.2"]
-
-
-def metrics(socket_path: str) -> str:
-    class Conn(http.client.HTTPConnection):
-        def connect(self) -> None:
-            self.sock = socket.socket(socket.AF_UNIX)
-            self.sock.connect(socket_path)
-
-    conn = Conn("localhost")
-    conn.request("GET", "/metrics")
-    return conn.getresponse().read().decode()
 
 
 @pytest.fixture
@@ -94,7 +82,7 @@ def test_unleased_process_is_reported_in_events_view_and_metrics(broker_factory,
             assert gpus[other]["unleased_processes"] == [{"pid": rogue.pid, "user": ev["process_user"],
                                                           "memory": 3 << 30}]
             assert gpus[held]["unleased_processes"] == []
-            text = metrics(broker.socket)
+            text = scrape_metrics(broker.socket)
             assert (f'gpulease_unleased_processes{{gpu="{state.gpus[other].uuid}",index="{other}",'
                     f'user="{ev["process_user"]}"}} 1.0') in text
             assert rogue.poll() is None  # warn only
@@ -124,7 +112,7 @@ def test_a_descendant_of_a_leased_process_is_not_unleased(broker_factory, state:
         state.procs = [FakeProc(idx, child, 1 << 30)]
         state.write()
         wait_for(lambda: c.gpus()["gpus"][idx]["memory_used"] >= 1 << 30, timeout=10)
-        wait_for(lambda: "gpulease_unleased_processes" in metrics(broker.socket), timeout=5)
+        wait_for(lambda: "gpulease_unleased_processes" in scrape_metrics(broker.socket), timeout=5)
         assert c.gpus()["gpus"][idx]["unleased_processes"] == []
         assert "unleased process" not in broker.log()
     finally:
@@ -144,7 +132,7 @@ def test_kill_policy_stops_the_unleased_process(broker_factory, state: FakeNvml,
         ev = events.wait("gpu.unleased_process", timeout=10, pid=rogue.pid)
         assert ev["action"] == "kill"
         assert rogue.wait(10) == -15
-        assert "gpulease_unleased_process_kills_total 1.0" in metrics(broker.socket)
+        assert "gpulease_unleased_process_kills_total 1.0" in scrape_metrics(broker.socket)
         assert c.gpus()["gpus"][0]["state"] == "free"
     finally:
         events.close()
