@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import transfer
+from . import transfer, vmcopy
 from .artifacts import ArtifactDir, now_iso
 from .client import BrokerClient, BrokerError
 from .leasing import Heartbeater, release_quietly
@@ -94,7 +94,9 @@ def lease_env(lease: dict[str, Any], artifacts: ArtifactDir) -> dict[str, str]:
     return env
 
 
-def job_message(job: Job, env: dict[str, str], oob_dir: str) -> dict[str, Any]:
+def job_message(job: Job, env: dict[str, str], oob_dir: str, vm: bool = False) -> dict[str, Any]:
+    """The job for a worker. ``vm``: it is this kernel's own child, big buffers are copied straight
+    between the two processes (``transfer.push``/``pull``) instead of through files."""
     msg: dict[str, Any] = {
         "type": "run",
         "kind": job.kind,
@@ -107,7 +109,8 @@ def job_message(job: Job, env: dict[str, str], oob_dir: str) -> dict[str, Any]:
         "cwd": os.getcwd(),
         "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
         "oob_dir": oob_dir,
-        "inputs": transfer.dumps_named(job.inputs, oob_dir) if job.inputs else None,
+        "vm": vm,
+        "inputs": transfer.dumps_named(job.inputs, oob_dir, vm) if job.inputs else None,
     }
     return msg
 
@@ -120,8 +123,10 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
     shows); after ``grace`` seconds, or at a second interrupt, its process group is killed.
     ``notices`` gives lines from the broker (a preemption warning) to show in the cell meanwhile.
     """
+    hold = (job.get("inputs") or {}).pop("_hold", None)  # input buffers the worker will ask to be copied
     worker.submit(job)
     interrupted_at: float | None = None
+    waiting: dict[str, Any] | None = None  # a result whose buffers could not be copied: they come as a file
     while True:
         try:
             for text in notices() if notices is not None else ():
@@ -129,25 +134,61 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
             if interrupted_at is not None and time.monotonic() >= interrupted_at + grace:
                 worker.kill(0.5)
                 raise KeyboardInterrupt
-            result = worker.poll(0.5, sinks.out, sinks.err)
-            if result is not None:
-                theirs = result.get("versions") or (worker.ready or {}).get("versions")
-                if theirs:
-                    transfer.check_versions(transfer.versions(), theirs)
-                return result
+            msg = worker.poll(0.5, sinks.out, sinks.err)
+            if msg is None:
+                continue
+            kind = msg.get("type")
+            if kind == "vm_dest":
+                reply = _copying(worker, transfer.push, worker.pid, hold or [], msg, job["oob_dir"])
+                if reply.get("file"):
+                    job["inputs"]["file"] = reply["file"]  # removed by the caller if the worker never maps it
+                    _refused(sinks)
+                worker.submit(reply)
+                hold = None
+                continue
+            if kind == "vm_file" and waiting is not None:
+                waiting["payload"].update(file=msg["file"], spans=msg["spans"], vm=None)
+                msg, waiting = waiting, None
+            elif kind == "result" and (msg.get("payload") or {}).get("vm"):
+                ok = _copying(worker, transfer.pull, worker.pid, msg["payload"])
+                worker.submit({"type": "vm_done", "ok": ok})
+                if not ok:
+                    _refused(sinks)
+                    waiting = msg
+                    continue
+            theirs = msg.get("versions") or (worker.ready or {}).get("versions")
+            if theirs:
+                transfer.check_versions(transfer.versions(), theirs)
+            return msg
         except KeyboardInterrupt:
-            if interrupted_at is not None:
+            if interrupted_at is not None or not worker.alive():
                 worker.kill(0)
                 raise
             interrupted_at = time.monotonic()
             worker.interrupt()
 
 
+def _refused(sinks: Sinks) -> None:
+    sinks.err(f"gpulease: copying values straight between the kernel and its worker was refused "
+              f"({vmcopy.why_not()}); large values go through files in {transfer.shm_dir()} from now on, "
+              "which is slower (on Linux, Yama's kernel.yama.ptrace_scope must be 0 or 1)\n")
+
+
+def _copying(worker: Worker, step: Callable[..., Any], *args: Any) -> Any:
+    """A copy between the kernel and the worker: an interrupt in the middle ends the worker at once
+    (it waits for the copy's end and could not show its own traceback)."""
+    try:
+        return step(*args)
+    except KeyboardInterrupt:
+        worker.kill(0)
+        raise
+
+
 def finish_result(result: dict[str, Any], outcome: Outcome) -> None:
     """Unpack the worker's answer into ``outcome``, or raise the cell's own error."""
     if result["status"] != "ok":
         raise cell_error(result["ename"], result["evalue"], result["traceback"])
-    payload = transfer.loads(result["payload"])
+    payload = transfer.loads(result["payload"], result["payload"].get("buffers"))
     outcome.outputs, outcome.value = payload["outputs"], payload["value"]
 
 
@@ -243,7 +284,7 @@ class LeaseRun:
         msg: dict[str, Any] | None = None
         reaped = False
         try:
-            msg = job_message(job, {**self.env(), **(env or {})}, oob_dir)
+            msg = job_message(job, {**self.env(), **(env or {})}, oob_dir, worker.local and vmcopy.usable())
             try:
                 result = drive(worker, msg, self.logging_sinks(sinks), grace, self.take_notices)
             except WorkerCrashed as e:

@@ -2,9 +2,13 @@
 
 Everything goes in one cloudpickle call (shared references survive; functions and
 classes defined in the notebook travel by value). Large buffers (numpy, pandas,
-tensors: anything that supports pickle protocol 5) travel out of band: they are
-written once to a file in /dev/shm and mapped back copy-on-write on the other side,
-so a gigabyte array is never pushed through a pipe.
+tensors: anything that supports pickle protocol 5) travel out of band, never through
+a pipe:
+- between the kernel and its own worker process, copied straight from one process's
+  memory into the other's (``vmcopy``): the sender holds its buffers and says where
+  they are (``vm``), the kernel copies;
+- otherwise (a worker on another node, or direct copies refused here), written once
+  to a file in /dev/shm or a shared directory and mapped back copy-on-write.
 
 Both ends import this module; it must stay free of IPython imports.
 """
@@ -17,6 +21,8 @@ import mmap
 import os
 import struct
 import sys
+
+from . import vmcopy
 
 TYPE_CHECKING = False  # typing only for the type checker: this module is on every cold start
 if TYPE_CHECKING:
@@ -115,12 +121,14 @@ def _trivial(value: Any) -> bool:
     return False
 
 
-def dumps(value: Any, directory: str | None = None) -> dict[str, Any]:
-    """Pickle ``value``; buffers of at least OOB_MIN_BYTES go to one file in ``directory``.
+def dumps(value: Any, directory: str | None = None, vm: bool = False) -> dict[str, Any]:
+    """Pickle ``value``; buffers of at least OOB_MIN_BYTES travel out of band.
 
     Plain data uses the standard pickler; anything else cloudpickle (by value for what the
     notebook or the cell defined). Returns a small, plainly picklable dict:
-    ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``.
+    ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``: the big buffers in one file
+    in ``directory``. With ``vm`` they stay where they are instead: ``"vm": [(address, len)]``
+    says where, and ``"_hold"`` (to pop before sending) keeps them alive until they are copied.
     """
     big: list[pickle.PickleBuffer] = []
 
@@ -135,25 +143,34 @@ def dumps(value: Any, directory: str | None = None) -> dict[str, Any]:
     pickler(f, protocol=5, buffer_callback=keep).dump(value)
     out: dict[str, Any] = {"data": f.getvalue(), "file": None, "spans": []}
     if big:
-        path = os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
-        spans = []
-        # readable by this user only (the values are the user's data); O_EXCL: never an existing file or link
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
-            off = 0
-            for b in big:
-                raw = b.raw()
-                fh.write(raw)
-                spans.append((off, raw.nbytes))
-                off += raw.nbytes
-        out["file"], out["spans"] = path, spans
+        raws = [b.raw() for b in big]
+        if vm:
+            out["vm"] = [(vmcopy.address(r), r.nbytes) for r in raws]
+            out["_hold"] = raws
+        else:
+            out["file"], out["spans"] = write_buffers(raws, directory)
     return out
 
 
-def loads(packed: dict[str, Any]) -> Any:
-    """The inverse of dumps. The buffer file is mapped copy-on-write and removed at once."""
-    buffers: list[memoryview] = []
+def write_buffers(raws: list[memoryview], directory: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The buffers, one after the other, in a new file only this user can read: (path, spans)."""
+    path = os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
+    spans = []
+    # readable by this user only (the values are the user's data); O_EXCL: never an existing file or link
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+        off = 0
+        for raw in raws:
+            fh.write(raw)
+            spans.append((off, raw.nbytes))
+            off += raw.nbytes
+    return path, spans
+
+
+def loads(packed: dict[str, Any], buffers: list[Any] | None = None) -> Any:
+    """The inverse of dumps, with the out-of-band ``buffers`` when they were copied here already;
+    otherwise the buffer file is mapped copy-on-write and removed at once."""
     path = packed.get("file")
-    if path:
+    if buffers is None and path:
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -162,7 +179,7 @@ def loads(packed: dict[str, Any]) -> Any:
             discard(packed)
         view = memoryview(mm) if mm is not None else memoryview(b"")
         buffers = [view[off : off + n] for off, n in packed["spans"]]
-    return pickle.loads(packed["data"], buffers=buffers)
+    return pickle.loads(packed["data"], buffers=buffers or [])
 
 
 def discard(packed: dict[str, Any] | None) -> None:
@@ -173,10 +190,51 @@ def discard(packed: dict[str, Any] | None) -> None:
             pass
 
 
-def dumps_named(values: dict[str, Any], directory: str | None = None) -> dict[str, Any]:
+# ---------------------------------------------------------------- direct copies (same host)
+# Every copy is made by the kernel (the worker's parent: see vmcopy). Into the worker: it allocates,
+# asks with {"type": "vm_dest", "addrs"}, the kernel copies and answers {"type": "vm_done", "ok"}
+# (or, refused, with the buffers in a file). Out of the worker: its result says where its buffers
+# are; the kernel copies them and answers vm_done; refused, the worker sends {"type": "vm_file"}.
+def push(pid: int, hold: list[memoryview], ask: dict[str, Any], directory: str | None) -> dict[str, Any]:
+    """The kernel's answer to a worker's vm_dest: the held buffers copied into it, or written to a file."""
+    try:
+        vmcopy.copy(pid, [(vmcopy.address(r), r.nbytes) for r in hold], [tuple(a) for a in ask["addrs"]],
+                    write=True)
+        return {"type": "vm_done", "ok": True}
+    except OSError as e:
+        vmcopy.give_up(str(e))
+        path, spans = write_buffers(hold, directory)
+        return {"type": "vm_done", "ok": False, "file": path, "spans": spans}
+
+
+def pull(pid: int, packed: dict[str, Any]) -> bool:
+    """Copy the buffers a worker's result names into this process (``packed["buffers"]``); False if refused."""
+    dests = [vmcopy.allocate(n) for _, n in packed["vm"]]
+    try:
+        vmcopy.copy(pid, [(vmcopy.address(d), n) for d, (_, n) in zip(dests, packed["vm"], strict=True)],
+                    [tuple(a) for a in packed["vm"]], write=False)
+    except OSError as e:
+        vmcopy.give_up(str(e))
+        return False
+    packed["buffers"] = dests
+    return True
+
+
+def receive(packed: dict[str, Any], ask: Any) -> Any:
+    """The worker's loads(): buffers the kernel holds are copied into memory allocated here first."""
+    if not packed.get("vm"):
+        return loads(packed)
+    dests = [vmcopy.allocate(n) for _, n in packed["vm"]]
+    reply = ask({"type": "vm_dest", "addrs": [(vmcopy.address(d), n) for d, (_, n) in zip(dests, packed["vm"], strict=True)]})
+    if reply.get("ok"):
+        return loads(packed, dests)
+    return loads({**packed, "file": reply["file"], "spans": reply["spans"]})
+
+
+def dumps_named(values: dict[str, Any], directory: str | None = None, vm: bool = False) -> dict[str, Any]:
     """dumps() a dict of named values; on failure, find and name the culprit."""
     try:
-        return dumps(values, directory)
+        return dumps(values, directory, vm)
     except Exception as e:
         import cloudpickle
 

@@ -166,12 +166,13 @@ def _prepare(job: dict[str, Any]) -> None:
             sys.path.insert(0, p)
 
 
-def run_job(job: dict[str, Any], ns: dict[str, Any]) -> dict[str, Any]:
+def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None) -> dict[str, Any]:
+    """Run one job; ``ask(message)`` sends a message to the kernel and returns its answer."""
     started = time.monotonic()
     try:
         _prepare(job)
         if job.get("inputs") is not None:
-            ns.update(transfer.loads(job["inputs"]))
+            ns.update(transfer.receive(job["inputs"], ask))
         value: Any = None
         if job["kind"] == "call":
             fn, args, kwargs = ns.pop("__gpulease_call__")
@@ -186,7 +187,7 @@ def run_job(job: dict[str, Any], ns: dict[str, Any]) -> dict[str, Any]:
         if missing:
             raise NameError(f"--out names the cell did not define: {', '.join(missing)}")
         outputs = {n: ns[n] for n in job.get("out", [])}
-        packed = transfer.dumps_named({"outputs": outputs, "value": value}, job.get("oob_dir"))
+        packed = transfer.dumps_named({"outputs": outputs, "value": value}, job.get("oob_dir"), bool(job.get("vm")))
         return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started,
                 "versions": transfer.versions()}
     except BaseException as e:  # the user's error, KeyboardInterrupt included: report, never crash
@@ -203,6 +204,33 @@ def run_job(job: dict[str, Any], ns: dict[str, Any]) -> dict[str, Any]:
             "traceback": text,
             "elapsed": time.monotonic() - started,
         }
+
+
+class _Kernel:
+    """The way back to the kernel: ``send`` a message, or ``ask`` and wait for its answer (on stdin)."""
+
+    def __init__(self, ctrl: IO[bytes], jobs: SimpleQueue[Any]) -> None:
+        self.ctrl, self.jobs = ctrl, jobs
+
+    def send(self, msg: dict[str, Any]) -> None:
+        transfer.send(self.ctrl, msg)
+
+    def ask(self, msg: dict[str, Any]) -> Any:
+        transfer.send(self.ctrl, msg)
+        return self.jobs.get()
+
+    def hand_over(self, result: dict[str, Any], oob_dir: str | None) -> None:
+        """Send the result; buffers it left in place (``vm``) stay alive until the kernel has copied them."""
+        hold = (result.get("payload") or {}).pop("_hold", None)
+        if hold is None:
+            self.send(result)
+            return
+        try:
+            if not self.ask(result).get("ok"):  # direct copies refused: the buffers go through a file after all
+                path, spans = transfer.write_buffers(hold, oob_dir)
+                self.send({"type": "vm_file", "file": path, "spans": spans})
+        except KeyboardInterrupt:  # interrupted while the kernel copied: it has given up on this result
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,14 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_lifeline, args=(stdin, jobs), name="gpulease-lifeline", daemon=True).start()
     transfer.send(ctrl, {"type": "ready", "pid": os.getpid(), "versions": transfer.versions(), "preload_failed": failed})
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    kernel = _Kernel(ctrl, jobs)
     while True:
         job = jobs.get()
         if job.get("type") == "stop":
             break
-        result = run_job(job, ns)
+        result = run_job(job, ns, kernel.ask)
         sys.stdout.flush()
         sys.stderr.flush()
-        transfer.send(ctrl, result)
+        kernel.hand_over(result, job.get("oob_dir"))
         if not session:
             # hand the result over first, then leave without interpreter teardown: the GPU
             # memory is freed the moment the process is gone

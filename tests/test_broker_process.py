@@ -317,15 +317,24 @@ def _probe(url: str, lease_id: str) -> dict:
 
 def as_user(pw, fn):
     """Run fn in a forked child that switched to another uid (a real second user); return its JSON result."""
+
+    def switch() -> None:
+        os.setgroups([])
+        os.setgid(pw.pw_gid)
+        os.setuid(pw.pw_uid)
+
+    return in_child(fn, switch)
+
+
+def in_child(fn, prepare=lambda: None):
+    """Run ``prepare()`` then fn in a forked child (changes to its privileges stay there); return fn's JSON result."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
         code = 1
         try:
             os.close(r)
-            os.setgroups([])
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
+            prepare()
             os.write(w, json.dumps(fn()).encode())
             code = 0
         except BaseException as e:  # report anything to the parent

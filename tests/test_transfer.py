@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
+from test_broker_process import in_child
 
-from jupyter_gpulease import transfer
+from jupyter_gpulease import cellrun, transfer, vmcopy
 from jupyter_gpulease.cellcode import free_names, select_inputs
+from jupyter_gpulease.runner import Worker
 
 
 def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -59,3 +64,91 @@ def test_free_names_and_auto_selection_guards() -> None:
     sel = select_inputs(code, ns, ["x"], auto_max_bytes=1 << 20)
     assert list(sel.send) == ["x"] and "z" in sel.skipped
     assert free_names("def broken(:\n") == []  # the worker reports the SyntaxError with the cell's lines
+
+
+# ---------------------------------------------------------------- kernel <-> worker, same host
+def _run(worker: Worker, code: str, inputs: dict, out: list[str], vm: bool = True):  # type: ignore[no-untyped-def]
+    """One job on a real worker through the kernel side's own path (job message, drive, result)."""
+    msg = cellrun.job_message(cellrun.Job(code=code, inputs=inputs, out=out), {}, transfer.shm_dir(), vm)
+    errs: list[str] = []
+    result = cellrun.drive(worker, msg, cellrun.Sinks(lambda text: None, errs.append), 5.0)
+    outcome = cellrun.Outcome({})
+    cellrun.finish_result(result, outcome)
+    return msg, result, outcome, "".join(errs)
+
+
+def test_large_values_are_copied_straight_between_kernel_and_worker(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(vmcopy, "CHUNK", (1 << 20) + 3 * 4096)  # uneven pieces over several threads
+    big = np.arange(1 << 20, dtype="f8")  # 8 MiB
+    w = Worker(session=True)
+    try:
+        code = "y = big * 2\nsame = alias is big\nwritable = big.flags.writeable\nbig[0] = -1.0"
+        msg, result, outcome, errs = _run(w, code, {"big": big, "alias": big}, ["y", "same", "writable"])
+        assert msg["inputs"]["vm"] and msg["inputs"]["file"] is None  # in: no file, copied into the worker
+        assert result["payload"]["vm"] and result["payload"]["file"] is None  # out: copied from it
+        assert outcome.outputs["same"] and outcome.outputs["writable"]  # shared references survive
+        y = outcome.outputs["y"]
+        assert np.array_equal(y, np.arange(1 << 20, dtype="f8") * 2) and y.flags.writeable
+        assert big[0] == 0.0  # the worker changed its own copy
+        assert errs == "" and vmcopy.usable()
+        # the same worker again (a session): its previous values are its own, not the kernel's memory
+        _, _, outcome, _ = _run(w, "s = float(big[:4].sum())", {}, ["s"])
+        assert outcome.outputs["s"] == -1.0 + 1 + 2 + 3
+    finally:
+        w.kill(0.5)
+
+
+def _without_ptrace_capability() -> None:
+    """Drop CAP_SYS_PTRACE (root has it; a user's kernel does not): from now on this process may read
+    or write only the memory of its own dumpable processes, like any unprivileged kernel."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(header), data) == 0, os.strerror(ctypes.get_errno())
+    data[0].effective &= ~(1 << 19)  # CAP_SYS_PTRACE
+    data[0].permitted &= ~(1 << 19)
+    assert libc.capset(ctypes.byref(header), data) == 0, os.strerror(ctypes.get_errno())
+
+
+def test_refused_direct_copies_fall_back_to_files() -> None:
+    """A kernel may not touch the memory of a worker that made itself undumpable (EPERM, as under Yama's
+    ptrace_scope 2 or a seccomp profile): values still arrive, through files, and the cell says why once."""
+
+    def theirs() -> dict:
+        w = Worker(session=True)
+        try:
+            code = "import ctypes\nimport numpy as np\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE\n" \
+                   "y = np.arange(1 << 20, dtype='f8')"
+            _, result, outcome, errs = _run(w, code, {}, ["y"])
+            first = {"equal": bool(np.array_equal(outcome.outputs["y"], np.arange(1 << 20, dtype="f8"))),
+                     "file": bool(result["payload"]["file"]), "usable": vmcopy.usable(), "note": errs}
+            big = np.arange(1 << 20, dtype="f8")
+            msg, _, outcome, errs = _run(w, "s = float(big.sum())", {"big": big}, ["s"], vm=True)  # asked anyway
+            second = {"s": outcome.outputs["s"], "file": msg["inputs"]["file"], "note": errs}
+            return {"first": first, "second": second, "left": os.path.exists(second["file"] or "")}
+        finally:
+            w.kill(0.5)
+
+    out = in_child(theirs, _without_ptrace_capability)
+    assert out["first"]["equal"] and out["first"]["file"] and not out["first"]["usable"]
+    assert "was refused" in out["first"]["note"] and "Operation not permitted" in out["first"]["note"]
+    assert out["second"]["s"] == float(np.arange(1 << 20, dtype="f8").sum())
+    assert out["second"]["file"] and not out["left"]  # the kernel wrote the file, the worker mapped and removed it
+
+
+def test_direct_copy_errors_are_os_errors() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    buf = bytearray(16)
+    with pytest.raises(OSError) as e:
+        vmcopy.copy(gone.pid, [(vmcopy.address(buf), 16)], [(vmcopy.address(buf), 16)], write=False)
+    assert e.value.errno == errno.ESRCH and f"process {gone.pid}" in str(e.value)
+    with pytest.raises(ValueError, match="differ in size"):
+        vmcopy.copy(os.getpid(), [(vmcopy.address(buf), 16)], [(vmcopy.address(buf), 8)], write=False)
