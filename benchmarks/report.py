@@ -125,7 +125,8 @@ HEADER = """# Benchmarks
 
 Written by `make bench` (`python -m benchmarks`); do not edit by hand. Every figure has a baseline measured
 in the same run on the same machine, because the machine may be shared and absolute numbers are noisy.
-A section is rewritten only when its module runs (`python -m benchmarks --only NAME`).
+A section is rewritten only when its module runs (`python -m benchmarks --only NAME`). The project's
+modules are compiled to bytecode before a run, as `pip install` does (see `benchmarks/__main__.py`).
 
 """
 

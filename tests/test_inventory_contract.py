@@ -17,6 +17,7 @@ it ends, with the engine's own count of free GPUs following.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from nvml_helpers import (
 )
 
 from lease_broker.identity import Identity
-from lease_broker.inventory import Inventory
+from lease_broker.inventory import GPU, Inventory
 from lease_broker.inventory.simulated import SimulatedInventory
 from lease_broker.lease import LeaseState
 from lease_broker.manager import LeaseManager
@@ -156,6 +157,8 @@ def test_discover_is_stable_and_complete(backend: Backend) -> None:
     for g in first:
         assert g.name and g.memory_total > 0 and g.link_group
         assert g.simulated == backend.inv.simulated == (backend.name == "simulated")
+        rebuilt = GPU(**{f.name: getattr(g, f.name) for f in dataclasses.fields(GPU)})
+        assert g == rebuilt and hash(g) == hash(rebuilt) and vars(g) == vars(rebuilt)  # a complete GPU, however made
 
 
 def test_sample_reports_every_gpu(backend: Backend) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lease_broker import store as store_module
 from lease_broker.inventory.simulated import _NAMESPACE, SimulatedInventory, gpu_uuid
 from lease_broker.lease import Lease, LeaseRequest, LeaseState
 from lease_broker.store import Store
@@ -37,6 +38,24 @@ def test_live_returns_every_lease_as_written(tmp_path: Path) -> None:
     assert [x.id for x in got] == [x.id for x in written]  # arrival order
     for a, b in zip(got, written, strict=True):
         assert (a.state, a.devices, a.pids, a.request.labels) == (b.state, b.devices, b.pids, b.request.labels)
+        assert a == b and type(a.state) is LeaseState  # every field
+
+
+def test_live_reads_only_live_leases_through_the_partial_index(tmp_path: Path) -> None:
+    db = str(tmp_path / "s.db")
+    written = _fill(db, 10)
+    store = Store(db)
+    ended = written[1]
+    ended.state, ended.reason, ended.ended_at = LeaseState.RELEASED, "released", 50.0
+    store.transition(ended, LeaseState.GRANTED, 50.0)
+    early = Lease(id="l-early", user="bo", uid=1001, seq=-1, state=LeaseState.QUEUED, reason="requested",
+                  request=LeaseRequest(min_gpus=1, max_gpus=1), created_at=0.5, duration_seconds=60.0,
+                  idle_timeout_seconds=30.0)
+    store.insert(early, early.created_at)  # stored last, arrived first
+    got = store.live()
+    assert [x.id for x in got] == ["l-early"] + [x.id for x in written if x is not ended]
+    plan = " ".join(str(r) for r in store.db.execute("EXPLAIN QUERY PLAN " + store_module._LIVE))
+    assert "USING INDEX leases_state" in plan  # not a scan of every lease ever stored
 
 
 @pytest.mark.parametrize("damage", ["{not json", '{"min_gpus": 1}],[{}'])
