@@ -133,14 +133,6 @@ class AdminStore:
         )
         return [(r[0], r[1], _gpus(r[2], r[3]), r[4], r[5], r[6]) for r in rows]
 
-    def ended_interval(self, lease_id: str) -> tuple[str, float, float, float] | None:
-        r = self.db.execute(
-            "SELECT user, request, devices, granted_at, ended_at FROM leases WHERE id=?", (lease_id,)
-        ).fetchone()
-        if r is None or r[3] is None or r[4] is None:
-            return None
-        return (r[0], _gpus(r[1], r[2]), r[3], r[4])
-
     def usage_rows(self, since: float) -> list[dict[str, Any]]:
         """Every lease that held GPUs after ``since``, with its transitions (for the usage report)."""
         rows = self.db.execute(

@@ -37,7 +37,8 @@ class Enforcer:
 
     def stop(self, lease: Lease) -> None:
         """SIGTERM a lease's process groups; drain its GPUs until they are gone."""
-        pids = self.proc_ticks.pop(lease.id, {})
+        known = self.proc_ticks.pop(lease.id, None)  # None: never attached nor restored, nothing stored
+        pids = known or {}
         self.warned.pop(lease.id, None)
         alive = {p: t for p, t in pids.items() if _alive(p, t)}
         now = self.m.clock.now()
@@ -56,7 +57,8 @@ class Enforcer:
             for d in dirty:
                 self.draining[d] = (lease.id, now, drain_pids)
             self.m.store.drain(dirty, lease.id, drain_pids, now)
-        self.m.store.detach_all(lease.id)
+        if known is not None:  # a transaction less for the many leases that never attach a process
+            self.m.store.detach_all(lease.id)
 
     def restore_drains(self, drains: dict[str, tuple[str, float, list[int]]]) -> None:
         self.draining.update({g: d for g, d in drains.items() if g in self.m.gpu_by_id})

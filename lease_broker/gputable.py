@@ -51,7 +51,8 @@ class GpuTable:
         self.busy: dict[str, str] = {}  # GPU -> "leased" or "shared" (held by at least one lease)
         self.n_busy = {"leased": 0, "shared": 0}
         self._held: dict[str, _Held] = {}
-        self._left: list[str] = getattr(self, "_left", [])  # leases that stopped holding, until take_left()
+        # leases that stopped holding, until take_left(): (user, gpus, granted_at, ended_at)
+        self._left: list[tuple[str, float, float | None, float | None]] = getattr(self, "_left", [])
         previous = getattr(self, "running", None)
         self.running = RunningUsage(previous.half_life if previous is not None else 0.0)
         for lease in leases:
@@ -60,11 +61,11 @@ class GpuTable:
 
     def sync(self, lease: Lease) -> None:
         """Make the table agree with this lease's state, devices, time limit and request."""
-        was_holding = lease.id in self._held
+        held = self._held.get(lease.id)
         touched = self._unregister(lease.id)
         touched.update(self._register(lease))
-        if was_holding and lease.id not in self._held:
-            self._left.append(lease.id)
+        if held is not None and lease.id not in self._held:
+            self._left.append((held.user, held.gpus, held.granted_at, lease.ended_at))
         for gid in touched:
             self._refresh(gid)
 
@@ -76,8 +77,9 @@ class GpuTable:
             r.rebuild(half_life, ((h.user, h.gpus, h.granted_at) for h in self._held.values()), now)
         return {u: r.usage(u, now) for u in users if u in r.gpus}
 
-    def take_left(self) -> list[str]:
-        """Leases that stopped holding GPUs since the last call (fair share moves their usage to history)."""
+    def take_left(self) -> list[tuple[str, float, float | None, float | None]]:
+        """(user, gpus, granted_at, ended_at) of the leases that stopped holding GPUs since the last call (fair
+        share moves their usage to history, without reading them back from the store)."""
         left, self._left = self._left, []
         return left
 

@@ -84,10 +84,9 @@ class PolicyMixin:
             fs.load(ended, now)
         else:
             fs.decay_to(now)
-            for lid in left:  # ended since the last call: their usage moves to the ended total
-                iv = m.admin_store.ended_interval(lid)
-                if iv is not None:
-                    fs.add(*iv, now=now)
+            for user, gpus, granted_at, ended_at in left:  # ended since the last call: to the ended total
+                if granted_at is not None and ended_at is not None:
+                    fs.add(user, gpus, granted_at, ended_at, now=now)
         fs.decay_to(now)
         usage = dict(fs.ended) if users is None else {u: fs.ended[u] for u in users if u in fs.ended}
         for user, running in table.running_usage(table.holding_by_user if users is None else users, now,
