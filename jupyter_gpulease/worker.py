@@ -2,10 +2,12 @@
 ``--session``, several) with only the leased GPUs visible.
 
 Started by the kernel as ``python -m jupyter_gpulease.worker [--session] [--preload a,b]``:
-- stdin carries framed messages from the kernel (jobs). It is also the lifeline: when
-  the kernel dies the pipe closes and the worker kills its own process group.
+- stdin carries framed messages from the kernel (jobs, and its answers once it has copied
+  large values: see ``transfer``). It is also the lifeline: when the kernel dies the pipe
+  closes and the worker kills its own process group.
 - the file descriptor named by ``GPULEASE_CTRL_FD`` carries framed messages back
-  (ready, result); stdout and stderr are plain pipes the kernel forwards live.
+  (ready, result, where to copy large values); stdout and stderr are plain pipes the
+  kernel forwards live.
 
 The worker never imports IPython: it starts fast, and a warm one waits with only the
 configured modules imported (never CUDA initialised) until a lease arrives.
