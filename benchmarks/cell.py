@@ -81,10 +81,16 @@ def _exit_to_grant(b: Broker, k: _Kernel, n: int) -> tuple[list[float], list[flo
 
         k.run("%%gpu\nimport time\n_t = [0.0]")  # warm up
         k.run("_gpulease_marks = []")
-        k.kc.execute("%%gpu --out _t\nimport time, os\ntime.sleep(0.5)\n_t = [time.time()]")
         probe = BrokerClient(url)
+
+        def leased(probe: BrokerClient = probe) -> bool:
+            return bool(probe.gpus()["summary"]["states"].get("leased"))
+
         deadline = time.time() + 30
-        while not probe.gpus()["summary"]["states"].get("leased") and time.time() < deadline:  # the cell holds it
+        while leased() and time.time() < deadline:  # the warm-up's lease is released after its worker exits
+            time.sleep(0.005)
+        k.kc.execute("%%gpu --out _t\nimport time, os\ntime.sleep(0.5)\n_t = [time.time()]")
+        while not leased() and time.time() < deadline:  # now the cell holds it
             time.sleep(0.005)
         t = threading.Thread(target=wait_grant)
         t.start()
@@ -143,21 +149,34 @@ def run(opts: Any) -> list[Figure]:
         size = (64 << 20) if quick else (1 << 30)
         k.run(f"import numpy as np\nx = np.random.default_rng(0).random({size // 8})")
         reps = 3 if quick else 15
-        inline_t, gpu_t = [], []
+        inline_t, gpu_t, copy_t = [], [], []
         for _ in range(reps):
             inline_t.append(k.run("y = x + 1") * 1000)
             time.sleep(0.3)
             gpu_t.append(k.run("%%gpu --in x --out y\ny = x + 1") * 1000)
-        k.run("del x, y")
+            time.sleep(0.3)
+            copy_t.append(k.run("z = x.copy()") * 1000)
+        k.run("del x, y, z")
         figures.append(figure(
             f"{size >> 20} MiB of numpy in and out (y = x + 1)", "ms", gpu_t, "the same cell inline", inline_t,
             bar=None, note="ratio bar: median ≤ 2× the inline median (see the ratio line below the table); buffers "
-                           "travel out of band through /dev/shm (pickle protocol 5), mapped copy-on-write.",
+                           "travel out of band (pickle protocol 5), copied by the kernel straight into the worker's "
+                           "memory and back out of it (process_vm_writev/readv, in parallel, into huge-page memory).",
         ))
-        ratio = (sorted(gpu_t)[len(gpu_t) // 2]) / max(1e-9, sorted(inline_t)[len(inline_t) // 2])
         figures.append(figure(
-            f"{size >> 20} MiB in and out: %%gpu / inline", "×", [ratio], "inline", [1.0], bar=("median", "<=", 2.0),
-            note="ratio of the medians above",
+            f"{size >> 20} MiB copied into fresh memory, inline (z = x.copy())", "ms", copy_t, "y = x + 1 inline",
+            inline_t, bar=None,
+            note="what one transfer costs at least (a copy into new memory); `y = x + 1` is itself one pass over x "
+                 "into new memory, so a cell that ships x in and y out costs about three of these.",
+        ))
+        med = {name: sorted(v)[len(v) // 2] for name, v in (("gpu", gpu_t), ("inline", inline_t), ("copy", copy_t))}
+        ratio = med["gpu"] / max(1e-9, med["inline"])
+        floor = (med["inline"] + 2 * med["copy"]) / max(1e-9, med["inline"])
+        figures.append(figure(
+            f"{size >> 20} MiB in and out: %%gpu / inline", "×", [ratio], "(inline + 2 copies) / inline", [floor],
+            bar=("median", "<=", 2.0),
+            note="ratio of the medians above; its baseline is the floor for a worker in another process: the cell "
+                 "itself plus one copy in and one copy out, from the medians measured in this run.",
         ))
         samples, base = _exit_to_grant(b, k, 3 if quick else 15)
         figures.append(figure(
