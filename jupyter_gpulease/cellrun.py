@@ -140,6 +140,8 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
             kind = msg.get("type")
             if kind == "vm_dest":
                 reply = _copying(worker, transfer.push, worker.pid, hold or [], msg, job["oob_dir"])
+                if reply is None:
+                    continue  # the worker died meanwhile: the next poll says how
                 if reply.get("file"):
                     job["inputs"]["file"] = reply["file"]  # removed by the caller if the worker never maps it
                     _refused(sinks)
@@ -151,6 +153,8 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
                 msg, waiting = waiting, None
             elif kind == "result" and (msg.get("payload") or {}).get("vm"):
                 ok = _copying(worker, transfer.pull, worker.pid, msg["payload"])
+                if ok is None:
+                    continue
                 worker.submit({"type": "vm_done", "ok": ok})
                 if not ok:
                     _refused(sinks)
@@ -175,13 +179,17 @@ def _refused(sinks: Sinks) -> None:
 
 
 def _copying(worker: Worker, step: Callable[..., Any], *args: Any) -> Any:
-    """A copy between the kernel and the worker: an interrupt in the middle ends the worker at once
-    (it waits for the copy's end and could not show its own traceback)."""
+    """A copy between the kernel and the worker, or None if the worker died meanwhile. An interrupt in the
+    middle ends the worker at once (it waits for the copy's end and could not show its own traceback)."""
     try:
         return step(*args)
     except KeyboardInterrupt:
         worker.kill(0)
         raise
+    except OSError:
+        if worker.alive():
+            raise
+        return None
 
 
 def finish_result(result: dict[str, Any], outcome: Outcome) -> None:

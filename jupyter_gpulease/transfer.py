@@ -202,6 +202,8 @@ def push(pid: int, hold: list[memoryview], ask: dict[str, Any], directory: str |
                     write=True)
         return {"type": "vm_done", "ok": True}
     except OSError as e:
+        if e.errno not in vmcopy.REFUSED:
+            raise  # the worker is gone (ESRCH) or its answer was wrong: not a reason to stop copying
         vmcopy.give_up(str(e))
         path, spans = write_buffers(hold, directory)
         return {"type": "vm_done", "ok": False, "file": path, "spans": spans}
@@ -214,6 +216,8 @@ def pull(pid: int, packed: dict[str, Any]) -> bool:
         vmcopy.copy(pid, [(vmcopy.address(d), n) for d, (_, n) in zip(dests, packed["vm"], strict=True)],
                     [tuple(a) for a in packed["vm"]], write=False)
     except OSError as e:
+        if e.errno not in vmcopy.REFUSED:
+            raise
         vmcopy.give_up(str(e))
         return False
     packed["buffers"] = dests

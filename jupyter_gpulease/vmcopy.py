@@ -16,6 +16,7 @@ Both ends import this module; it must stay free of IPython imports.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
@@ -30,6 +31,9 @@ MAX_THREADS = 8  # bounded by the cores: a burst of a few tens of milliseconds p
 
 _broken: str | None = None if sys.platform.startswith("linux") else f"not available on {sys.platform}"
 _lib: Any = None
+
+
+REFUSED = frozenset({errno.EPERM, errno.EACCES, errno.ENOSYS})  # not allowed here (other errors: a process gone)
 
 
 def usable() -> bool:

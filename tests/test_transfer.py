@@ -14,7 +14,7 @@ from test_broker_process import in_child
 
 from jupyter_gpulease import cellrun, transfer, vmcopy
 from jupyter_gpulease.cellcode import free_names, select_inputs
-from jupyter_gpulease.runner import Worker
+from jupyter_gpulease.runner import Worker, WorkerCrashed
 
 
 def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +84,8 @@ def test_large_values_are_copied_straight_between_kernel_and_worker(monkeypatch)
     try:
         code = "y = big * 2\nsame = alias is big\nwritable = big.flags.writeable\nbig[0] = -1.0"
         msg, result, outcome, errs = _run(w, code, {"big": big, "alias": big}, ["y", "same", "writable"])
+        if not vmcopy.usable():  # e.g. a container whose seccomp profile forbids process_vm_readv/writev
+            pytest.skip(f"direct copies between processes are refused on this machine: {vmcopy.why_not()}")
         assert msg["inputs"]["vm"] and msg["inputs"]["file"] is None  # in: no file, copied into the worker
         assert result["payload"]["vm"] and result["payload"]["file"] is None  # out: copied from it
         assert outcome.outputs["same"] and outcome.outputs["writable"]  # shared references survive
@@ -141,6 +143,26 @@ def test_refused_direct_copies_fall_back_to_files() -> None:
     assert "was refused" in out["first"]["note"] and "Operation not permitted" in out["first"]["note"]
     assert out["second"]["s"] == float(np.arange(1 << 20, dtype="f8").sum())
     assert out["second"]["file"] and not out["left"]  # the kernel wrote the file, the worker mapped and removed it
+
+
+def test_a_worker_that_dies_while_its_result_is_copied_is_a_crash_not_a_refusal() -> None:
+    w = Worker()
+    poll = w.poll
+
+    def poll_then_kill(*args):  # type: ignore[no-untyped-def]
+        msg = poll(*args)
+        if msg and (msg.get("payload") or {}).get("vm"):  # the result is in, its buffers not yet copied
+            os.kill(w.pid, 9)
+            w.proc.wait()
+        return msg
+
+    w.poll = poll_then_kill  # type: ignore[method-assign]
+    try:
+        with pytest.raises(WorkerCrashed, match="SIGKILL"):
+            _run(w, "import numpy as np\ny = np.ones(1 << 20)", {}, ["y"])
+        assert vmcopy.usable()  # a worker gone is not a refusal: the next cell copies directly again
+    finally:
+        w.close()
 
 
 def test_direct_copy_errors_are_os_errors() -> None:
