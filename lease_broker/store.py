@@ -10,10 +10,10 @@ import json
 import logging
 import os
 import sqlite3
-import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .checkpoint import Checkpointer
 from .errors import Unavailable
 from .lease import TERMINAL, Lease, LeaseRequest, LeaseState
 
@@ -202,7 +202,7 @@ class Store:
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
                 "LeaseBroker.db_path (--db) elsewhere; the broker will not start without its leases."
             ) from e
-        self._checkpointer: _Checkpointer | None = _Checkpointer(path) if path != ":memory:" else None
+        self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
 
     def _tx(self) -> "_Tx":
         return _Tx(self)
@@ -330,55 +330,20 @@ class Store:
         self.db.close()
 
 
-class _Checkpointer(threading.Thread):
-    """Copies the write-ahead log into the database in the background (SQLite's automatic checkpoint would do it
-    inside whichever transaction crosses 1,000 pages, with an fsync: a request would wait ~10 ms for it).
-    PASSIVE never blocks the broker's connection; without it the WAL would grow for ever."""
-
-    INTERVAL = 1.0
-
-    def __init__(self, path: str) -> None:
-        super().__init__(name="store-checkpoint", daemon=True)
-        self.path = path
-        self._stop_event = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=2.0)
-        except sqlite3.Error as e:
-            log.warning("Store checkpoints disabled: cannot open %s: %s", self.path, e)
-            return
-        try:
-            while not self._stop_event.wait(self.INTERVAL):
-                try:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                except sqlite3.Error as e:  # the next round tries again; the WAL keeps every change meanwhile
-                    log.warning("Store checkpoint failed: %s", e)
-            db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.Error:
-            pass
-        finally:
-            db.close()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=10)
-
-
 class _Tx:
     def __init__(self, store: Store) -> None:
         self.db = store.db
         self.path = store.path
 
+    def _unwritable(self, e: BaseException) -> StoreError:
+        return StoreError(f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
+                          "Free disk space or stop the other process that locks it.")
+
     def __enter__(self) -> sqlite3.Connection:
         try:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
-            raise StoreError(
-                f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
-                "Free disk space or stop the other process that locks it."
-            ) from e
+            raise self._unwritable(e) from e
         return self.db
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -389,17 +354,11 @@ class _Tx:
             except sqlite3.Error as e:
                 if self.db.in_transaction:  # SQLite already rolled back on SQLITE_FULL/IOERR
                     self.db.execute("ROLLBACK")
-                raise StoreError(
-                    f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
-                    "Free disk space or stop the other process that locks it."
-                ) from e
+                raise self._unwritable(e) from e
         if self.db.in_transaction:
             self.db.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
-            raise StoreError(
-                f"The lease store {self.path!r} cannot be written ({exc}); nothing was changed. "
-                "Free disk space or stop the other process that locks it."
-            ) from exc
+            raise self._unwritable(exc) from exc
 
 
 def iter_rows(store: Store) -> Iterator[Lease]:
