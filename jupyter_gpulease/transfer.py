@@ -145,7 +145,7 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False) -> dict[st
     if big:
         raws = [b.raw() for b in big]
         if vm:
-            out["vm"] = [(vmcopy.address(r), r.nbytes) for r in raws]
+            out["vm"] = vmcopy.spans(raws)
             out["_hold"] = raws
         else:
             out["file"], out["spans"] = write_buffers(raws, directory)
@@ -197,28 +197,16 @@ def discard(packed: dict[str, Any] | None) -> None:
 # are; the kernel copies them and answers vm_done; refused, the worker sends {"type": "vm_file"}.
 def push(pid: int, hold: list[memoryview], ask: dict[str, Any], directory: str | None) -> dict[str, Any]:
     """The kernel's answer to a worker's vm_dest: the held buffers copied into it, or written to a file."""
-    try:
-        vmcopy.copy(pid, [(vmcopy.address(r), r.nbytes) for r in hold], [tuple(a) for a in ask["addrs"]],
-                    write=True)
+    if vmcopy.copy_unless_refused(pid, vmcopy.spans(hold), ask["addrs"], write=True):
         return {"type": "vm_done", "ok": True}
-    except OSError as e:
-        if e.errno not in vmcopy.REFUSED:
-            raise  # the worker is gone (ESRCH) or its answer was wrong: not a reason to stop copying
-        vmcopy.give_up(str(e))
-        path, spans = write_buffers(hold, directory)
-        return {"type": "vm_done", "ok": False, "file": path, "spans": spans}
+    path, spans = write_buffers(hold, directory)
+    return {"type": "vm_done", "ok": False, "file": path, "spans": spans}
 
 
 def pull(pid: int, packed: dict[str, Any]) -> bool:
     """Copy the buffers a worker's result names into this process (``packed["buffers"]``); False if refused."""
     dests = [vmcopy.allocate(n) for _, n in packed["vm"]]
-    try:
-        vmcopy.copy(pid, [(vmcopy.address(d), n) for d, (_, n) in zip(dests, packed["vm"], strict=True)],
-                    [tuple(a) for a in packed["vm"]], write=False)
-    except OSError as e:
-        if e.errno not in vmcopy.REFUSED:
-            raise
-        vmcopy.give_up(str(e))
+    if not vmcopy.copy_unless_refused(pid, vmcopy.spans(dests), packed["vm"], write=False):
         return False
     packed["buffers"] = dests
     return True
@@ -229,7 +217,7 @@ def receive(packed: dict[str, Any], ask: Any) -> Any:
     if not packed.get("vm"):
         return loads(packed)
     dests = [vmcopy.allocate(n) for _, n in packed["vm"]]
-    reply = ask({"type": "vm_dest", "addrs": [(vmcopy.address(d), n) for d, (_, n) in zip(dests, packed["vm"], strict=True)]})
+    reply = ask({"type": "vm_dest", "addrs": vmcopy.spans(dests)})
     if reply.get("ok"):
         return loads(packed, dests)
     return loads({**packed, "file": reply["file"], "spans": reply["spans"]})

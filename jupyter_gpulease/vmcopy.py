@@ -88,6 +88,11 @@ def address(buf: Any) -> int:
         api.PyBuffer_Release(ctypes.byref(view))
 
 
+def spans(buffers: list[Any]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each (contiguous, byte-format) buffer, as ``copy`` takes them."""
+    return [(address(b), len(b)) for b in buffers]
+
+
 def allocate(nbytes: int) -> Any:
     """Private anonymous memory for ``nbytes``, advised for transparent huge pages (a quarter of the
     page faults' cost of 4 KiB pages), zero-filled on first touch."""
@@ -101,6 +106,19 @@ def allocate(nbytes: int) -> Any:
         except OSError:
             pass
     return mem
+
+
+def copy_unless_refused(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]], write: bool) -> bool:
+    """``copy``; False if this system refuses direct copies (and none is tried from then on). Other errors
+    (the process is gone, a wrong address) raise: they are not a reason to stop copying."""
+    try:
+        copy(pid, local, remote, write)
+    except OSError as e:
+        if e.errno not in REFUSED:
+            raise
+        give_up(str(e))
+        return False
+    return True
 
 
 def copy(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]], write: bool) -> None:

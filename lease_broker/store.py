@@ -11,6 +11,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Iterator
+from operator import itemgetter
 from typing import Any
 
 from .checkpoint import Checkpointer
@@ -146,10 +147,6 @@ _LIVE = f"SELECT {_COLUMNS} FROM leases WHERE state IN {_LIVE_STATES}"
 assert f"WHERE state IN {_LIVE_STATES}" in _SCHEMA, "the live states and the partial index leases_state differ"
 
 
-def _seq(row: tuple[Any, ...]) -> int:
-    return int(row[1])
-
-
 class StoreError(Unavailable):
     reason = "store_unavailable"
 
@@ -247,7 +244,7 @@ class Store:
     def live(self) -> list[Lease]:
         """Every lease that is not terminal, in arrival order."""
         rows = self.db.execute(_LIVE).fetchall()
-        rows.sort(key=_seq)  # here, not ORDER BY: SQLite would copy every row into a temporary B-tree first
+        rows.sort(key=itemgetter(1))  # by seq, here: ORDER BY would copy every row into a temporary B-tree first
         try:  # one JSON document for every row: a restart with 10,000 leases parses it in one call
             decoded = json.loads("[" + ",".join(f"[{r[7]},{r[17]}]" for r in rows) + "]")
             if len(decoded) != len(rows) or any(len(d) != 2 for d in decoded):
