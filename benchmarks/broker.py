@@ -2,7 +2,7 @@
 
 Every figure runs against a real ``lease-broker`` process with a simulated inventory (the client is a
 minimal asyncio HTTP/1.1 client on the broker's Unix socket), except the scheduler figures, which call the
-pure ``lease_broker.scheduler.schedule`` directly.
+pure ``lease_broker.core.scheduler.schedule`` directly.
 """
 
 from __future__ import annotations
@@ -138,10 +138,10 @@ async def create_leases(path: str, count: int, concurrency: int = 8) -> list[str
 
 def fill_store(db: str, gpus: int, nodes: int, count: int) -> None:
     """Write ``count`` granted 1-GPU leases into a stopped broker's store, as the broker would persist them."""
-    from lease_broker.identity import hash_secret, user_name
+    from lease_broker.core.identity import hash_secret, user_name
+    from lease_broker.core.lease import Lease, LeaseRequest, LeaseState
     from lease_broker.inventory.simulated import SimulatedInventory
-    from lease_broker.lease import Lease, LeaseRequest, LeaseState
-    from lease_broker.store import Store
+    from lease_broker.store.lease_store import Store
 
     devices = SimulatedInventory(gpus=gpus, nodes=nodes).discover()
     store = Store(db)
@@ -241,8 +241,8 @@ async def throughput(path: str, clients: int, seconds: float, windows: int,
 
 def scheduler_rates(gpus: int, queued: int, reps: int) -> tuple[list[float], list[float]]:
     """Decisions/s of one ``schedule`` pass (queued requests considered per second) and of ``queue_order``."""
-    from lease_broker.lease import LeaseRequest
-    from lease_broker.scheduler import Pending, SchedulerPolicy, Slot, queue_order, schedule
+    from lease_broker.core.lease import LeaseRequest
+    from lease_broker.core.scheduler import Pending, SchedulerPolicy, Slot, queue_order, schedule
 
     now = 1_000_000.0
     per_node = 8
@@ -355,7 +355,7 @@ def run(opts: Any) -> list[Figure]:
             f"broker RSS, {many} live leases", "MiB", loaded, f"RSS of the same broker idle ({n_gpus} GPUs, no lease)",
             idle, bar=("max", "<=", 150.0 / 1.048576),
             note=f"{many} granted 1-GPU leases (heartbeat false, 8 h) over {n_gpus} simulated GPUs, written to the "
-                 f"broker's store with lease_broker.store.Store in {setup:.1f} s while it was stopped (creating them "
+                 f"broker's store with lease_broker.store.lease_store.Store in {setup:.1f} s while it was stopped (creating them "
                  "through the API is too slow at this size: see the next figure), then restored by the broker; "
                  "VmRSS from /proc 1 s after it serves. Bar: 150 MB = 143 MiB.",
         ))

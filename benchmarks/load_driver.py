@@ -56,8 +56,8 @@ class LoadBroker:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _tokens(self, users: int) -> dict[str, str]:
-        from lease_broker.identity import hash_secret, new_token
-        from lease_broker.store import Store
+        from lease_broker.core.identity import hash_secret, new_token
+        from lease_broker.store.lease_store import Store
 
         store = Store(self.db)
         tokens = {}

@@ -16,17 +16,17 @@ from traitlets.config import Application, catch_config_error
 
 from . import __version__
 from .api.auth import Authenticator, admin_check
-from .clock import Clock
-from .errors import LeaseError
-from .identity import hash_secret, new_token
+from .core.clock import Clock
+from .core.errors import LeaseError
+from .core.identity import hash_secret, new_token
 from .inventory import Inventory, inventory_class
 from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
-from .manager import LeaseManager
-from .policy import LeasePolicy
-from .policy_manager import reload_policy_file
+from .manager.manager import LeaseManager
+from .manager.policy_admin import reload_policy_file
+from .policy.lease_policy import LeasePolicy
 from .service import BrokerService, default_socket_path
-from .store import Store
+from .store.lease_store import Store
 
 
 def _nvidia_driver_present() -> bool:

@@ -15,8 +15,8 @@ from tornado import httpserver, ioloop, netutil, web
 from .api.auth import Authenticator
 from .api.handlers import NotFoundHandler, default_handlers
 from .api.metrics_handler import MetricsHandler
-from .errors import LeaseError
-from .manager import LeaseManager
+from .core.errors import LeaseError
+from .manager.manager import LeaseManager
 
 log = logging.getLogger("lease_broker")
 

@@ -41,7 +41,7 @@ def blocks() -> dict[str, str]:
     out = {"magic-usage": magic_usage(), "magic-options": traits_table(GpuMagics)}
     try:
         from lease_broker.app import LeaseBroker
-        from lease_broker.policy import LeasePolicy
+        from lease_broker.policy.lease_policy import LeasePolicy
 
         out["policy-options"] = traits_table(LeasePolicy)
         out["broker-options"] = traits_table(LeaseBroker)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from lease_broker import reservations
-from lease_broker.clock import VirtualClock
-from lease_broker.errors import BadRequest, Forbidden, InvalidTransition
-from lease_broker.fairshare import RunningUsage, decayed
-from lease_broker.identity import Identity
+from lease_broker.core.clock import VirtualClock
+from lease_broker.core.errors import BadRequest, Forbidden, InvalidTransition
+from lease_broker.core.fairshare import RunningUsage, decayed
+from lease_broker.core.identity import Identity
+from lease_broker.core.lease import LeaseRequest, LeaseState
+from lease_broker.core.reservation_windows import Window
+from lease_broker.core.scheduler import Pending, SchedulerPolicy, Slot, schedule
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.lease import LeaseRequest, LeaseState
-from lease_broker.manager import LeaseManager
-from lease_broker.policy import LeasePolicy
-from lease_broker.scheduler import Pending, SchedulerPolicy, Slot, schedule
-from lease_broker.store import Store
-from lease_broker.windows import Window
+from lease_broker.manager import reservations
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store
 
 ALICE = Identity("alice", uid=1001)
 BOB = Identity("bob", uid=1002)

@@ -139,8 +139,8 @@ def test_kill_policy_stops_the_unleased_process(broker_factory, state: FakeNvml,
 
 
 def test_users_see_only_the_owner_of_an_unleased_process() -> None:
-    from lease_broker.gpuwatch import GpuWatch
-    from lease_broker.identity import Identity
+    from lease_broker.core.identity import Identity
+    from lease_broker.manager.gpuwatch import GpuWatch
 
     watch = GpuWatch.__new__(GpuWatch)
     watch.unleased = {"GPU-x": {42: {"pid": 42, "user": "bob", "uid": 1001, "memory": 1 << 30, "gpu_id": "GPU-x"}}}

@@ -11,12 +11,12 @@ from fake_nvml import FakeNvml, FakeProc
 from kernels import Kernel
 from nvml_helpers import EventLog, Worker, wait_for
 
-from lease_broker.clock import VirtualClock
-from lease_broker.identity import Identity
+from lease_broker.core.clock import VirtualClock
+from lease_broker.core.identity import Identity
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.manager import LeaseManager
-from lease_broker.policy import LeasePolicy
-from lease_broker.store import Store
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store
 
 ALICE = Identity("alice", uid=1001)
 GIB = 1 << 30

@@ -35,13 +35,13 @@ from nvml_helpers import (
     wait_for,
 )
 
-from lease_broker.identity import Identity
+from lease_broker.core.identity import Identity
+from lease_broker.core.lease import LeaseState
 from lease_broker.inventory import GPU, Inventory
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.lease import LeaseState
-from lease_broker.manager import LeaseManager
-from lease_broker.policy import LeasePolicy
-from lease_broker.store import Store
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store
 
 UUID = r"(GPU|MIG)-[0-9a-f-]{36}"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lease_broker.errors import BadRequest, InvalidTransition
-from lease_broker.lease import (
+from lease_broker.core.errors import BadRequest, InvalidTransition
+from lease_broker.core.lease import (
     HOLDING,
     TERMINAL,
     TRANSITIONS,

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from lease_broker.clock import VirtualClock
-from lease_broker.errors import BadRequest, Forbidden, InvalidTransition, NotFound
-from lease_broker.identity import Identity
+from lease_broker.core.clock import VirtualClock
+from lease_broker.core.errors import BadRequest, Forbidden, InvalidTransition, NotFound
+from lease_broker.core.identity import Identity
+from lease_broker.core.lease import LeaseState
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.lease import LeaseState
-from lease_broker.manager import LeaseManager
-from lease_broker.policy import LeasePolicy
-from lease_broker.store import Store
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store
 
 ALICE = Identity("alice", uid=1001)
 BOB = Identity("bob", uid=1002)

@@ -139,7 +139,7 @@ def test_a_lost_gpu_samples_unhealthy(inv: NVMLInventory, fake: FakeNvml, caplog
 
 
 def test_no_driver_names_the_fix(fake: FakeNvml) -> None:
-    from lease_broker.errors import LeaseError
+    from lease_broker.core.errors import LeaseError
 
     fake.init_error = 9
     fake.write()

@@ -9,18 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lease_broker.lease import LeaseState
-from lease_broker.replay import (
-    Cluster,
-    TraceError,
-    jain,
-    load_policy,
-    load_trace,
-    percentile,
-    replay,
-    summarize,
-    tile,
-)
+from lease_broker.core.lease import LeaseState
+from lease_broker.replay import Cluster, TraceError, jain, load_policy, load_trace, percentile, replay, summarize, tile
 from lease_broker.replay.cli import main as replay_main
 
 TRACES = Path("/work/shared/traces")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lease_broker.lease import LeaseRequest
-from lease_broker.scheduler import Pending, SchedulerPolicy, Slot, pick_connected, schedule
+from lease_broker.core.lease import LeaseRequest
+from lease_broker.core.scheduler import Pending, SchedulerPolicy, Slot, pick_connected, schedule
 
 NOW = 1000.0
 

@@ -18,15 +18,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lease_broker import reservations
-from lease_broker.clock import VirtualClock
-from lease_broker.errors import LeaseError
-from lease_broker.identity import Identity
+from lease_broker.core.clock import VirtualClock
+from lease_broker.core.errors import LeaseError
+from lease_broker.core.identity import Identity
+from lease_broker.core.lease import HOLDING, LeaseState
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.lease import HOLDING, LeaseState
-from lease_broker.manager import LeaseManager
-from lease_broker.policy import LeasePolicy
-from lease_broker.store import Store, iter_rows
+from lease_broker.manager import reservations
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store, iter_rows
 
 USERS = [Identity(f"u{i}", uid=2000 + i) for i in range(4)]
 ADMIN = Identity("root", uid=0, admin=True)

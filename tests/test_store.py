@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lease_broker import store as store_module
+from lease_broker.core.lease import Lease, LeaseRequest, LeaseState
 from lease_broker.inventory.simulated import _NAMESPACE, SimulatedInventory, gpu_uuid
-from lease_broker.lease import Lease, LeaseRequest, LeaseState
-from lease_broker.store import Store
+from lease_broker.store import lease_store as store_module
+from lease_broker.store.lease_store import Store
 
 
 def _fill(db: str, n: int) -> list[Lease]:

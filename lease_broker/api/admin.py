@@ -6,10 +6,10 @@ from typing import Any
 
 from tornado import web
 
-from .. import reservations
-from ..errors import BadRequest, NotFound
-from ..lease import parse_duration
-from ..policy_manager import policy_values
+from ..core.errors import BadRequest, NotFound
+from ..core.lease import parse_duration
+from ..manager import reservations
+from ..manager.policy_admin import policy_values
 from .handlers import BaseHandler
 
 RESERVATION_ID = r"(r-[A-Za-z0-9_-]{1,62})"

@@ -6,9 +6,9 @@ import socket
 import struct
 from collections.abc import Callable
 
-from ..errors import Unauthorized
-from ..identity import Identity, hash_secret, user_groups, user_name
-from ..store import Store
+from ..core.errors import Unauthorized
+from ..core.identity import Identity, hash_secret, user_groups, user_name
+from ..store.lease_store import Store
 
 _UCRED = struct.Struct("3i")
 

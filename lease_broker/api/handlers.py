@@ -9,10 +9,10 @@ from typing import Any
 
 from tornado import web, websocket
 
-from ..errors import BadRequest, LeaseError
-from ..identity import Identity
-from ..lease import LeaseState, parse_duration
-from ..manager import LeaseManager
+from ..core.errors import BadRequest, LeaseError
+from ..core.identity import Identity
+from ..core.lease import LeaseState, parse_duration
+from ..manager.manager import LeaseManager
 from .auth import Authenticator
 
 log = logging.getLogger("lease_broker")
@@ -274,7 +274,7 @@ class NotFoundHandler(BaseHandler):
 
 
 def default_handlers(prefix: str = "/api/v1") -> list[tuple[str, type[web.RequestHandler]]]:
-    from .admin import admin_handlers  # policy, reservations, usage (they build on BaseHandler)
+    from .admin import admin_handlers
 
     return [
         (prefix + r"/info", InfoHandler),

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..lease import LeaseState
-from ..manager import LeaseManager
+from ..core.lease import LeaseState
+from ..manager.manager import LeaseManager
 
 
 class BrokerCollector(Collector):

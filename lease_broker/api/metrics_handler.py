@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tornado import web
 
 if TYPE_CHECKING:
-    from ..manager import LeaseManager
+    from ..manager.manager import LeaseManager
 
 
 class MetricsHandler(web.RequestHandler):

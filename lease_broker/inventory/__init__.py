@@ -15,7 +15,7 @@ from typing import Any
 from traitlets import Float, Unicode
 from traitlets.config import LoggingConfigurable
 
-from ..procs import ProcessTracker
+from ..host.procs import ProcessTracker
 
 ENTRY_POINT_GROUP = "jupyter_gpulease.inventories"
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from traitlets import Float, Unicode, validate
 
-from ..errors import LeaseError
-from ..lease import parse_size
-from ..procs import is_descendant, proc_info
+from ..core.errors import LeaseError
+from ..core.lease import parse_size
+from ..host.procs import is_descendant, proc_info
 from . import GPU, GpuSample, Inventory
 
 

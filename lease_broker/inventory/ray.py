@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from traitlets import Float, Unicode, validate
 
-from ..errors import LeaseError
-from ..lease import HOLDING, Lease, LeaseState, parse_size
+from ..core.errors import LeaseError
+from ..core.lease import HOLDING, Lease, LeaseState, parse_size
 from . import GPU, GpuSample, Inventory
 
 if TYPE_CHECKING:
-    from ..manager import LeaseManager
+    from ..manager.manager import LeaseManager
 
 log = logging.getLogger("lease_broker")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from traitlets import Integer, Unicode, validate
 
-from ..lease import parse_size
+from ..core.lease import parse_size
 from . import GPU, GpuSample, Inventory
 
 _NAMESPACE = uuid.UUID("6b1f9e0c-3f5e-4c27-9c1e-5a0f5e0d1a11")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from traitlets import Float, List, Unicode, validate
 
-from ..lease import HOLDING, Lease, parse_size
+from ..core.lease import HOLDING, Lease, parse_size
 from . import GPU, GpuSample, Inventory
 from .slurm_alloc import Allocation
 from .slurm_cli import (
@@ -59,7 +59,7 @@ from .slurm_cli import (
 from .slurm_reconcile import SlurmReconciler
 
 if TYPE_CHECKING:
-    from ..manager import LeaseManager
+    from ..manager.manager import LeaseManager
 
 __all__ = ["CLOSED_STATES", "LIVE_STATES", "LOST_STATES", "WAIT_REASONS", "_ALLOC_RE", "_GRES_RE", "_IDX_RE",
            "Allocation", "Job", "Node", "SlurmInventory", "Snapshot", "expand_hostlist", "expand_indices", "gpu_id"]

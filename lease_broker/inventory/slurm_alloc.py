@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LeaseError
-from ..lease import HOLDING, Lease, LeaseState
+from ..core.errors import LeaseError
+from ..core.lease import HOLDING, Lease, LeaseState
 from .slurm_cli import _ALLOC_RE, LIVE_STATES, SlurmCommands, _reason, _slurm_message, gpu_id
 
 if TYPE_CHECKING:
-    from ..manager import LeaseManager
+    from ..manager.manager import LeaseManager
 
 log = logging.getLogger("lease_broker")
 

@@ -10,8 +10,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LeaseError
-from ..lease import Lease
+from ..core.errors import LeaseError
+from ..core.lease import Lease
 
 #: pending reasons that only mean "wait": anything else is a limit or a refusal, and fails the lease
 WAIT_REASONS = frozenset({"None", "Resources", "Priority", "Prolog", "BeginTime", "Dependency", "Configuring",

@@ -8,14 +8,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LeaseError
-from ..lease import HOLDING, Lease, LeaseState
+from ..core.errors import LeaseError
+from ..core.lease import HOLDING, Lease, LeaseState
 from . import GPU
 from .slurm_alloc import Allocation, SlurmAllocations
 from .slurm_cli import LIVE_STATES, WAIT_REASONS, Node, Snapshot, _id_node, _per_node, _reason
 
 if TYPE_CHECKING:
-    from ..manager import LeaseManager
+    from ..manager.manager import LeaseManager
 
 log = logging.getLogger("lease_broker")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import LeaseError
-from ..identity import Identity
-from ..lease import Lease
-from ..policy import LeasePolicy
+from ..core.errors import LeaseError
+from ..core.identity import Identity
+from ..core.lease import Lease
+from ..policy.lease_policy import LeasePolicy
 from .sim import _ARRIVE, _STOP, LINGER_SLACK, OFFSET, Cluster, Outcome, _policy_copy, _Sim
 from .trace import Burst, Session, Trace, TraceError, derive_sessions
 

@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any
 
-from ..errors import LeaseError
-from ..lease import parse_duration
+from ..core.errors import LeaseError
+from ..core.lease import parse_duration
 from .metrics import compare, summarize
 from .report import describe, plot
 from .sim import Cluster, load_policy, replay

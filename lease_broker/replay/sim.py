@@ -31,14 +31,14 @@ from typing import Any
 
 from traitlets.config import Config
 
-from ..clock import VirtualClock
-from ..errors import Forbidden
-from ..identity import Identity
+from ..core.clock import VirtualClock
+from ..core.errors import Forbidden
+from ..core.identity import Identity
+from ..core.lease import HOLDING, Lease, LeaseState
 from ..inventory.simulated import SimulatedInventory
-from ..lease import HOLDING, Lease, LeaseState
-from ..manager import LeaseManager
-from ..policy import LeasePolicy
-from ..store import Store
+from ..manager.manager import LeaseManager
+from ..policy.lease_policy import LeasePolicy
+from ..store.lease_store import Store
 from .trace import Burst, Trace, TraceError, check_fits
 
 OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
@@ -355,7 +355,7 @@ def replay(
         if mode == "lease":
             sim = _LeaseSim(trace, cluster, policy, idle)
         elif mode == "session":
-            from .baseline import SessionSim  # the baseline builds on this module's _Sim
+            from .baseline import SessionSim
 
             sim = SessionSim(trace, cluster, policy)
         else:

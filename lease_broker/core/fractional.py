@@ -14,12 +14,12 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from .inventory import GpuSample
+from ..host.procs import is_descendant
+from ..inventory import GpuSample
 from .lease import HOLDING, LeaseRequest, LeaseState
-from .procs import is_descendant
 
 if TYPE_CHECKING:
-    from .manager import LeaseManager
+    from ..manager.manager import LeaseManager
 
 log = logging.getLogger("lease_broker")
 REASON = "over_memory_cap"

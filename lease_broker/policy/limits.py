@@ -1,6 +1,6 @@
 """Per-user and per-group limits, quotas, fair-share weights, preemption and reservations policy.
 
-A mixin of :class:`lease_broker.policy.LeasePolicy` (configured as ``LeasePolicy.<name>``). Every limit has
+A mixin of :class:`lease_broker.policy.lease_policy.LeasePolicy` (configured as ``LeasePolicy.<name>``). Every limit has
 a default trait; ``user_limits`` and ``group_limits`` override it per user and per group (a user in several
 groups gets the most generous of them; a user's own entry wins over any group's). ``group_quotas`` caps what
 all members of a group hold together.
@@ -18,7 +18,7 @@ from typing import Any
 from traitlets import All, Bool, Dict, Float, Integer, List, Unicode, observe, validate
 from traitlets.config import Configurable
 
-from .errors import Forbidden
+from ..core.errors import Forbidden
 
 #: Limits that ``user_limits`` / ``group_limits`` may set, with the trait that gives their default.
 LIMIT_KEYS: dict[str, str] = {

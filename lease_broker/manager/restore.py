@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, cast
 
-from .lease import HOLDING, LeaseState
-from .procs import same_process
+from ..core.lease import HOLDING, LeaseState
+from ..host.procs import same_process
 
 if TYPE_CHECKING:
     from .manager import LeaseManager

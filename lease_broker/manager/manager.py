@@ -10,14 +10,11 @@ import os
 import secrets
 from typing import Any
 
-from .clock import Clock
-from .enforcer import Enforcer
-from .errors import BadRequest, Forbidden, InvalidTransition, NotFound
-from .events import EventBus
-from .gputable import GpuTable
-from .identity import Identity, hash_secret
-from .inventory import GPU, GpuSample, Inventory
-from .lease import (
+from ..core.clock import Clock
+from ..core.errors import BadRequest, Forbidden, InvalidTransition, NotFound
+from ..core.gputable import GpuTable
+from ..core.identity import Identity, hash_secret
+from ..core.lease import (
     HOLDING,
     Lease,
     LeaseState,
@@ -27,12 +24,15 @@ from .lease import (
     parse_request,
     reason_slug,
 )
-from .policy import LeasePolicy
-from .policy_manager import PolicyMixin
-from .procs import is_descendant, proc_info
+from ..core.scheduler import Pending, Slot, SlotIndex, schedule
+from ..host.procs import is_descendant, proc_info
+from ..inventory import GPU, GpuSample, Inventory
+from ..policy.lease_policy import LeasePolicy
+from ..store.lease_store import Store
+from .enforcer import Enforcer
+from .events import EventBus
+from .policy_admin import PolicyMixin
 from .restore import RestoreMixin
-from .scheduler import Pending, Slot, SlotIndex, schedule
-from .store import Store
 from .views import ManagerViews, may_see
 
 log = logging.getLogger("lease_broker")

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from operator import itemgetter
 from typing import Any
 
+from ..core.errors import Unavailable
+from ..core.lease import TERMINAL, Lease, LeaseRequest, LeaseState
 from .checkpoint import Checkpointer
-from .errors import Unavailable
-from .lease import TERMINAL, Lease, LeaseRequest, LeaseState
 
 log = logging.getLogger("lease_broker")
 

@@ -14,10 +14,10 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
+from ..core.lease import HOLDING, Lease, LeaseState
+from ..core.reservation_windows import window_slots
+from ..host.procs import signal_group
 from . import reservations
-from .lease import HOLDING, Lease, LeaseState
-from .procs import signal_group
-from .windows import window_slots
 
 if TYPE_CHECKING:
     from .manager import LeaseManager

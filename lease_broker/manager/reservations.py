@@ -10,11 +10,11 @@ import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .admin_store import Reservation
-from .errors import BadRequest, Forbidden, InvalidTransition, NotFound
-from .identity import Identity
-from .lease import HOLDING, parse_duration
-from .windows import Window
+from ..core.errors import BadRequest, Forbidden, InvalidTransition, NotFound
+from ..core.identity import Identity
+from ..core.lease import HOLDING, parse_duration
+from ..core.reservation_windows import Window
+from ..store.admin_store import Reservation
 
 if TYPE_CHECKING:
     from .manager import LeaseManager

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from traitlets import TraitError
 
+from ..core.errors import BadRequest, Forbidden, LeaseError
+from ..core.fairshare import FairShare
+from ..core.fractional import mps_running
+from ..core.identity import Identity
+from ..core.lease import HOLDING, Lease, LeaseRequest
+from ..core.reservation_windows import window_shortfall, window_slots
+from ..core.scheduler import Decision, Growing, Pending
+from ..policy.limits import DAY
+from ..store.admin_store import AdminStore, Reservation
 from . import preemption, reservations
-from .admin_store import AdminStore, Reservation
-from .errors import BadRequest, Forbidden, LeaseError
-from .fairshare import FairShare
-from .fractional import mps_running
-from .identity import Identity
-from .lease import HOLDING, Lease, LeaseRequest
-from .limits import DAY
-from .scheduler import Decision, Growing, Pending
-from .windows import window_shortfall, window_slots
 
 if TYPE_CHECKING:
     from .manager import LeaseManager

@@ -10,8 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
-from .lease import LeaseRequest
-from .store import Store
+from ..core.lease import LeaseRequest
+from .lease_store import Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS reservations (

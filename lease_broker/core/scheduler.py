@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .lease import LeaseRequest
+from .reservation_windows import Window, WindowMap
 from .slots import Slot, SlotIndex
-from .windows import Window, WindowMap
 
 __all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "schedule",
            "queue_order", "pick_connected"]

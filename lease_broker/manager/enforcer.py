@@ -11,9 +11,9 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
+from ..core.lease import HOLDING, Lease, LeaseState
+from ..host.procs import children_map, proc_info, signal_group
 from .gpuwatch import GpuWatch
-from .lease import HOLDING, Lease, LeaseState
-from .procs import children_map, proc_info, signal_group
 
 if TYPE_CHECKING:
     from .manager import LeaseManager

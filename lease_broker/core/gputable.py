@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from ..inventory import GPU
 from .fairshare import RunningUsage
-from .inventory import GPU
 from .lease import HOLDING, Lease, LeaseState
 from .slots import Slot, SlotIndex
 

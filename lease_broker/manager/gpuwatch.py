@@ -15,10 +15,10 @@ import pwd
 import signal
 from typing import TYPE_CHECKING, Any
 
-from .fractional import check_memory_caps
-from .identity import Identity
-from .lease import HOLDING
-from .procs import is_descendant, proc_info
+from ..core.fractional import check_memory_caps
+from ..core.identity import Identity
+from ..core.lease import HOLDING
+from ..host.procs import is_descendant, proc_info
 
 if TYPE_CHECKING:
     from .manager import LeaseManager

@@ -7,10 +7,10 @@ from typing import Any
 from traitlets import Dict, Enum, Float, Integer, Unicode, validate
 from traitlets.config import Configurable
 
-from .errors import BadRequest, Forbidden
-from .lease import LeaseRequest
+from ..core.errors import BadRequest, Forbidden
+from ..core.lease import LeaseRequest
+from ..core.scheduler import SchedulerPolicy
 from .limits import LimitsPolicy
-from .scheduler import SchedulerPolicy
 
 
 def _positive(name: str, value: float, allow_zero: bool = True) -> float:

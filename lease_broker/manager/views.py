@@ -6,16 +6,16 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from .clock import Clock
-from .fractional import shared_env
-from .identity import Identity
-from .inventory import GPU, GpuSample, Inventory
-from .lease import HOLDING, Lease, LeaseState
+from ..core.clock import Clock
+from ..core.fractional import shared_env
+from ..core.identity import Identity
+from ..core.lease import HOLDING, Lease, LeaseState
+from ..inventory import GPU, GpuSample, Inventory
 
 if TYPE_CHECKING:
+    from ..core.gputable import GpuTable
     from .enforcer import Enforcer
     from .events import EventBus
-    from .gputable import GpuTable
 
 #: The GPU summary (one entry per GPU) is published at most this often: at once after a quiet spell, then
 #: on the trailing edge. A busy broker would otherwise rebuild it twice per grant and release.
