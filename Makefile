@@ -14,7 +14,7 @@ help:
 	@echo "make test   - lint, type-check and run the whole test suite"
 	@echo "make bench  - run the benchmarks and rewrite BENCHMARKS.md"
 	@echo "make soak   - 1,000 clients for 60 s, %%gpu soak, faults, security, fuzzing: BENCHMARKS.md figures"
-	@echo "make lint   - ruff and mypy"
+	@echo "make lint   - ruff, mypy and the architecture contracts (import-linter)"
 
 venv: $(STAMP)
 
@@ -42,6 +42,7 @@ system-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check lease_broker jupyter_gpulease benchmarks tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest

@@ -23,7 +23,6 @@ from .inventory import Inventory, inventory_class
 from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager.manager import LeaseManager
-from .manager.policy_admin import reload_policy_file
 from .policy.lease_policy import LeasePolicy
 from .service import BrokerService, default_socket_path
 from .store.lease_store import Store
@@ -207,7 +206,7 @@ class LeaseBroker(Application):
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_event_loop().add_signal_handler(sig, lambda: loop.add_callback_from_signal(loop.stop))
         asyncio.get_event_loop().add_signal_handler(  # SIGHUP: re-read the config file, apply its policy
-            signal.SIGHUP, lambda: reload_policy_file(manager, self.config_file, self.cli_config))
+            signal.SIGHUP, lambda: manager.policy_admin.reload_file(self.config_file, self.cli_config))
         # announce readiness last, so supervisors and tests can wait for it
         print(f"lease-broker ready: {' '.join(where)}", flush=True)
         try:

@@ -13,8 +13,9 @@ from typing import Any
 from tornado import httpserver, ioloop, netutil, web
 
 from .api.auth import Authenticator
-from .api.handlers import NotFoundHandler, default_handlers
-from .api.metrics_handler import MetricsHandler
+from .api.base import NotFoundHandler
+from .api.metrics_http import MetricsHandler
+from .api.routes import default_handlers
 from .core.errors import LeaseError
 from .manager.manager import LeaseManager
 

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,10 +7,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-# Every broker in the tests (in process, or a child process, which inherits this) checks before each scheduling
-# pass that its incrementally kept GPU table agrees with one rebuilt from the live leases (manager.py).
-os.environ.setdefault("GPULEASE_VERIFY_TABLE", "1")
 
 from broker_process import BrokerProcess
 

@@ -13,7 +13,6 @@ from lease_broker.core.lease import LeaseRequest, LeaseState
 from lease_broker.core.reservation_windows import Window
 from lease_broker.core.scheduler import Pending, SchedulerPolicy, Slot, schedule
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.manager import reservations
 from lease_broker.manager.manager import LeaseManager
 from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.store.lease_store import Store
@@ -90,7 +89,7 @@ def test_fair_share_orders_light_user_first_and_survives_restart(tmp_path):
     # a restart: the usage comes back from the store's history
     m2 = LeaseManager(Store(db), SimulatedInventory(gpus=1), m.policy, clock=clock)
     m2.restore()
-    assert m2.fairshare_usage(clock.now())["alice"] == pytest.approx(HOUR)
+    assert m2.usage.fairshare(clock.now())["alice"] == pytest.approx(HOUR)
     blocker, _ = m2.request(CAROL, {"gpus": 1})
     qa, _ = m2.request(ALICE, {"gpus": 1})  # alice arrives first but used an hour
     qb, _ = m2.request(BOB, {"gpus": 1})
@@ -119,9 +118,9 @@ def test_fair_share_decays():
     a, _ = m.request(ALICE, {"gpus": 1})
     clock.advance(HOUR)
     m.release(a.id, ALICE)
-    u0 = m.fairshare_usage(clock.now())["alice"]
+    u0 = m.usage.fairshare(clock.now())["alice"]
     clock.advance(HOUR)
-    assert m.fairshare_usage(clock.now())["alice"] == pytest.approx(u0 / 2, rel=1e-6)
+    assert m.usage.fairshare(clock.now())["alice"] == pytest.approx(u0 / 2, rel=1e-6)
 
 
 def test_priority_beats_fair_share():
@@ -297,7 +296,7 @@ def test_reservation_blocks_others_and_serves_members():
 
 def m_reserve(m, who=ADMIN, **body):
 
-    return reservations.create(m, who, body)
+    return m.reservations.create(who, body, m.clock.now())
 
 
 def test_reservation_validation():
@@ -327,7 +326,7 @@ def test_group_reservation_and_cancel():
     c, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
     b, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
     assert c.state == LeaseState.QUEUED and b.state == LeaseState.GRANTED
-    reservations.cancel(m, ADMIN, r.id)
+    m.reservations.cancel(ADMIN, r.id, m.clock.now())
     m.schedule()
     assert c.state == LeaseState.GRANTED
 
@@ -427,7 +426,7 @@ def test_incremental_growth_rules(case, want):
     if case == "queued gang first":
         c, _ = m.request(CAROL, {"gpus": 2})
     if case == "reservation":
-        reservations.create(m, ADMIN, {"gpus": 2, "user": "carol", "start": "+30m", "duration_seconds": 600})
+        m.reservations.create(ADMIN, {"gpus": 2, "user": "carol", "start": "+30m", "duration_seconds": 600}, m.clock.now())
     m.release(a.id, ALICE)
     assert len(b.devices) == want
     if case == "queued gang first":
@@ -454,14 +453,14 @@ def test_update_policy_keeps_leases_audits_and_refuses_bad_values():
     a, _ = m.request(ALICE, {"gpus": 1})
     b, _ = m.request(ALICE, {"gpus": 1})
     assert b.state == LeaseState.QUEUED
-    diff = m.update_policy("root", {"max_gpus_per_user": 2})
+    diff = m.policy_admin.update("root", {"max_gpus_per_user": 2})
     assert diff == {"max_gpus_per_user": [1.0, 2.0]}
     assert a.state == LeaseState.GRANTED and b.state == LeaseState.GRANTED
     with pytest.raises(BadRequest) as e:
-        m.update_policy("root", {"term_timeout": -1})
+        m.policy_admin.update("root", {"term_timeout": -1})
     assert "term_timeout" in e.value.message and "-1" in e.value.message
     with pytest.raises(BadRequest) as e:
-        m.update_policy("root", {"no_such": 1})
+        m.policy_admin.update("root", {"no_such": 1})
     assert "no_such" in e.value.message
     audit = m.admin_store.audit_log()
     assert len(audit) == 1 and audit[0]["who"] == "root" and audit[0]["diff"] == {"max_gpus_per_user": [1.0, 2.0]}
@@ -476,11 +475,11 @@ def test_usage_report():
     b, _ = m.request(BOB, {"gpus": 1})
     clock.advance(HOUR / 2)
     m.revoke(b.id, ADMIN, "maintenance")
-    rows = {r["user"]: r for r in m.usage_report(ADMIN, clock.now() - 7 * 86400)}
+    rows = {r["user"]: r for r in m.usage.report(ADMIN, clock.now() - 7 * 86400, clock.now())}
     assert rows["alice"]["gpu_hours_held"] == pytest.approx(2.0)
     assert rows["alice"]["gpu_hours_busy"] == pytest.approx(2.0)
     assert rows["bob"]["gpu_hours_held"] == pytest.approx(0.5) and rows["bob"]["revocations"] == 1
-    assert [r["user"] for r in m.usage_report(BOB, 0)] == ["bob"]
+    assert [r["user"] for r in m.usage.report(BOB, 0, clock.now())] == ["bob"]
 
 
 # ------------------------------------------------------------------ the pure scheduler's new inputs
@@ -522,7 +521,7 @@ def test_renewal_rules(who, seconds, refused):
     m, clock = make(gpus=2, user_limits={"alice": {"gpu_hours_per_day": 2}})
     lease, _ = m.request(who, {"gpus": 1, "duration_seconds": 600})
     other, _ = m.request(DAVE, {"gpus": 1, "duration_seconds": 600})
-    reservations.create(m, ADMIN, {"gpus": 2, "user": "carol", "start": "+4h", "duration_seconds": 3600})
+    m.reservations.create(ADMIN, {"gpus": 2, "user": "carol", "start": "+4h", "duration_seconds": 3600}, m.clock.now())
     if refused is None:
         m.renew(lease.id, who, seconds)
         assert lease.expires_at == pytest.approx(clock.now() + seconds)
@@ -561,6 +560,6 @@ def test_incremental_growth_within_the_daily_quota():
 def test_no_preemption_for_a_request_that_a_reservation_blocks():
     m, clock = make(gpus=2, preempt_grace_seconds={"high": 0})
     low, _ = m.request(ALICE, {"gpus": 1, "priority": "low"})
-    reservations.create(m, ADMIN, {"gpus": 1, "user": "carol", "start": "now", "duration_seconds": HOUR})
+    m.reservations.create(ADMIN, {"gpus": 1, "user": "carol", "start": "now", "duration_seconds": HOUR}, m.clock.now())
     hi, _ = m.request(BOB, {"gpus": 2, "priority": "high"})  # would need carol's reserved GPU too
     assert hi.state == LeaseState.QUEUED and low.state.holding

@@ -35,9 +35,10 @@ from nvml_helpers import (
     wait_for,
 )
 
+from lease_broker.core.gpu import GPU
 from lease_broker.core.identity import Identity
 from lease_broker.core.lease import LeaseState
-from lease_broker.inventory import GPU, Inventory
+from lease_broker.inventory import Inventory
 from lease_broker.inventory.simulated import SimulatedInventory
 from lease_broker.manager.manager import LeaseManager
 from lease_broker.policy.lease_policy import LeasePolicy

@@ -28,9 +28,9 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 from tornado import web
 
-from lease_broker.api.handlers import default_handlers
-from lease_broker.api.metrics_handler import MetricsHandler
+from lease_broker.api.metrics_http import MetricsHandler
 from lease_broker.api.openapi import load
+from lease_broker.api.routes import default_handlers
 
 SPEC = load()
 METHODS = ("get", "post", "put", "patch", "delete", "head", "options")

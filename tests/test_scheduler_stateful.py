@@ -23,7 +23,6 @@ from lease_broker.core.errors import LeaseError
 from lease_broker.core.identity import Identity
 from lease_broker.core.lease import HOLDING, LeaseState
 from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.manager import reservations
 from lease_broker.manager.manager import LeaseManager
 from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.store.lease_store import Store, iter_rows
@@ -106,16 +105,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         body = {"gpus": gpus, "start": now + offset, "end": now + offset + length,
                 **({"group": who[1:]} if who.startswith("@") else {"user": who})}
         try:
-            reservations.create(self.m, ADMIN, body)
+            self.m.reservations.create(ADMIN, body, self.m.clock.now())
         except LeaseError as e:
             assert e.reason == "reserved", e.message
         self.m.schedule()
 
-    @precondition(lambda self: bool(self.m.reservation_list(0)))
+    @precondition(lambda self: bool(self.m.reservations.live))
     @rule(data=st.data())
     def cancel_reservation(self, data: st.DataObject) -> None:
-        r = data.draw(st.sampled_from(self.m.reservation_list(0)))
-        reservations.cancel(self.m, ADMIN, r.id)
+        r = data.draw(st.sampled_from(self.m.reservations.live))
+        self.m.reservations.cancel(ADMIN, r.id, self.m.clock.now())
         self.m.schedule()
 
     # ------------------------------------------------------------------ invariants
@@ -187,14 +186,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert used <= DAY_QUOTA_U2 * 3600 + EPS, used / 3600
 
     @invariant()
+    def gpu_table_agrees_with_a_rebuild(self) -> None:
+        """Every change goes through the manager's commit, which keeps the GPU table in step with the leases."""
+        if not hasattr(self, "m"):
+            return
+        diffs = self.m.state.table.verify(self.m.leases.values(), self.m.gpus)
+        assert not diffs, "GPU table out of step with the leases: " + "; ".join(diffs[:5])
+
+    @invariant()
     def reservations_never_violated(self) -> None:
         if not hasattr(self, "m"):
             return
         now = self.clock.now()
-        live = [r for r in self.m.reservation_list(now) if r.start <= now < r.end]
+        live = [r for r in self.m.reservations.live if r.start <= now < r.end]
         if not live:
             return
-        members = {r.id: reservations.members(self.m, r, [u.user for u in USERS]) for r in live}
+        members = {r.id: self.m.reservations.members(r, [u.user for u in USERS]) for r in live}
         everyone = frozenset().union(*members.values())
         others = set()
         for lease in self.holding():

@@ -264,3 +264,33 @@ def test_absurd_magic_arguments_are_usage_errors_and_store_nothing(kernel: Kerne
         assert text.startswith("UsageError: ") and text.strip().count("\n") == 0, (line, r.error, r.stderr)
         assert "ran" not in r.stdout, line
     assert broker.client().leases(ended=1000) == []
+
+
+def test_every_answer_shows_a_lease_as_its_viewer_may_see_it(broker_factory, second_user):  # noqa: F811
+    """One view for every handler: an admin sees who preempted a lease (GET and list alike), its owner only the
+    class; and an admin's answer to an action on another user's lease is the admin's view, as GET's is."""
+    broker = broker_factory(gpus=1, args=["--tick=0.1"], socket_path=_shared_socket_dir(), name="views")
+    admin = broker.client()  # root is an admin by default
+    admin.request("PUT", "/api/v1/policy", {"preempt_grace_seconds": {"high": 0}})
+
+    def low_lease() -> dict:
+        return BrokerClient(broker.url).request_lease(1, heartbeat=False, priority="low")
+
+    victim = as_user(second_user, low_lease)
+    assert victim["state"] == "granted"
+    high = admin.request_lease(1, heartbeat=False, priority="high", wait=10)
+    assert high["state"] == "granted"
+    got = admin.lease(victim["id"])
+    assert got["state"] == "revoked" and got["reason"] == "preempted"
+    assert got["preempted_by"] == {"priority": "high", "user": "root", "lease_id": high["id"]}
+    listed = next(x for x in admin.leases(everyone=True, ended=10) if x["id"] == victim["id"])
+    assert listed["preempted_by"] == got["preempted_by"]
+    owners = as_user(second_user, lambda: BrokerClient(broker.url).lease(victim["id"]))
+    assert owners["preempted_by"] == {"priority": "high"}
+
+    admin.release(high["id"])
+    theirs = as_user(second_user, lambda: BrokerClient(broker.url).request_lease(1, heartbeat=False, wait=10))
+    renewed = admin.renew(theirs["id"], 600)
+    assert renewed == admin.lease(theirs["id"])
+    released = admin.release(theirs["id"], "maintenance")
+    assert released == admin.lease(theirs["id"]) and released["state"] == "revoked"

@@ -1,4 +1,4 @@
-"""Prometheus metrics, read from the manager at scrape time (imported at the first scrape: see metrics_handler)."""
+"""Prometheus metrics, read from the manager at scrape time (imported at the first scrape: see metrics_http)."""
 
 from __future__ import annotations
 

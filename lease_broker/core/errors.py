@@ -17,7 +17,6 @@ class LeaseError(Exception):
         *,
         reason: str | None = None,
         status_code: int | None = None,
-        retry_after: float | None = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
@@ -26,7 +25,6 @@ class LeaseError(Exception):
             self.reason = reason
         if status_code is not None:
             self.status_code = status_code
-        self.retry_after = retry_after
         self.extra = extra or {}
 
     def to_json(self) -> dict[str, Any]:
@@ -58,13 +56,6 @@ class NotFound(LeaseError):
 class InvalidTransition(LeaseError):
     status_code = 409
     reason = "invalid_transition"
-
-
-class PolicyRefused(LeaseError):
-    """The request is valid but policy refuses it now (429, with Retry-After) or ever (403)."""
-
-    status_code = 429
-    reason = "policy"
 
 
 class Unavailable(LeaseError):

@@ -2,10 +2,9 @@
 
 A scheduling pass runs on every request, release and tick. Rebuilding its view of the GPUs from every live
 lease made a grant cost O(leases + GPUs); the table instead updates only the GPUs of a lease that changed
-(``sync``, called by the manager on every transition, growth, renewal or device change), and a pass works on a
-fork of its ``SlotIndex``. ``verify`` recomputes everything from the inventory and the live leases and says what
-differs: every broker in the test suite runs it before each pass (``GPULEASE_VERIFY_TABLE=1``), so a change that
-forgets to ``sync`` (or ``set_gpus``) fails there.
+(``sync``, called by the lease owner's one mutation path, ``LeaseManager.commit``), and a pass works on a fork of
+its ``SlotIndex``. ``verify`` recomputes everything from the inventory and the live leases and says what differs:
+the tests of that path (the stateful scheduler test, after every step) check it.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from ..inventory import GPU
 from .fairshare import RunningUsage
+from .gpu import GPU
 from .lease import HOLDING, Lease, LeaseState
 from .slots import Slot, SlotIndex
 

@@ -122,10 +122,6 @@ class LeaseRequest:
             object.__setattr__(self, "_json", text)
         return text
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "LeaseRequest":
-        return parse_request(data)
-
 
 MAX_LABEL_LEN = 1024
 MAX_LABELS = 32
@@ -246,13 +242,63 @@ class Lease:
     last_activity: float = 0.0
     pids: list[int] = dataclasses.field(default_factory=list)
     secret_hash: str = ""
-    warned: str = ""  # last warning sent ("idle", "expiry"), reset on activity / renewal
 
     @property
     def gpu_count(self) -> float:
         if self.request.shared:
             return self.request.fraction if self.request.fraction < 1 else 1.0
         return float(len(self.devices) or self.request.min_gpus)
+
+
+#: Fields of a lease that only the broker's memory keeps between transitions (not written on their own).
+_SOFT = ("last_activity", "last_heartbeat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One change of a lease: a new state (with its reason), new field values, or both. The lease's owner
+    applies every change through one path (``LeaseManager.commit``); ``None`` leaves a field as it is.
+
+    ``event`` names the published change when the state stays (``renewed``, ``grown``, ``placed``); a change
+    of state publishes the new state. ``attach`` adds a process (pid, start ticks) to the lease.
+    """
+
+    state: LeaseState | None = None
+    reason: str | None = None
+    devices: tuple[str, ...] | None = None
+    node: str | None = None
+    granted_at: float | None = None
+    expires_at: float | None = None
+    duration_seconds: float | None = None
+    last_activity: float | None = None
+    last_heartbeat: float | None = None
+    attach: tuple[int, int] | None = None
+    event: str = ""
+
+    @property
+    def stored(self) -> bool:
+        """Whether the store must write the lease's row (anything beyond activity and heartbeat times)."""
+        return self.state is not None or any(
+            getattr(self, f.name) is not None for f in _FIELDS if f.name not in _SOFT)
+
+    @property
+    def moves(self) -> bool:
+        """Whether the GPU table must see the lease again (its state, devices or time limit changed)."""
+        return self.state is not None or self.devices is not None or self.expires_at is not None
+
+    def apply(self, lease: Lease, now: float) -> None:
+        """Write the change into the lease (the owner checks the transition and persists it)."""
+        for f in _FIELDS:
+            value = getattr(self, f.name)
+            if value is not None:
+                setattr(lease, f.name, list(value) if f.name == "devices" else value)
+        if self.state is not None and self.state.terminal:
+            lease.ended_at = now
+        if self.attach is not None and self.attach[0] not in lease.pids:
+            lease.pids = [*lease.pids, self.attach[0]]
+
+
+_FIELDS = tuple(f for f in dataclasses.fields(Change) if f.name not in ("attach", "event"))
 
 
 def reason_slug(reason: str, default: str) -> str:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .scheduler import Slot
+from .slots import Slot
 
 INF = math.inf
 

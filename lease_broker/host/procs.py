@@ -134,3 +134,9 @@ def same_process(pid: int, start_ticks: int) -> bool:
     """Whether ``pid`` is still the process that was recorded (not a later one that reused the pid)."""
     info = proc_info(pid)
     return info is not None and (not start_ticks or info.start_ticks == start_ticks)
+
+
+def mps_running() -> bool:
+    """Whether the CUDA MPS control daemon runs for this host (its control pipe exists)."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipes, "control"))

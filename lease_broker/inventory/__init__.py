@@ -2,46 +2,26 @@
 
 An inventory is a small configurable class chosen by entry-point name
 (group ``jupyter_gpulease.inventories``). The broker owns leases and policy; the
-inventory only reports devices, samples what they are doing, and says when a GPU
-that a lease held is clean again.
+inventory only reports devices, samples what they are doing, says when a GPU
+that a lease held is clean again, and, for an engine (Ray, Slurm), is told of
+grants and ends and answers with what changed (``changes``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from traitlets import Float, Unicode
 from traitlets.config import LoggingConfigurable
 
+from ..core.gpu import GPU, GpuSample
+from ..core.lease import Lease
 from ..host.procs import ProcessTracker
+from .changes import InventoryChange
 
 ENTRY_POINT_GROUP = "jupyter_gpulease.inventories"
-
-
-@dataclasses.dataclass(frozen=True)
-class GPU:
-    """A device as the inventory reports it (static facts)."""
-
-    id: str  # stable identifier: the NVML UUID, or a synthetic one
-    index: int  # index on its node, as CUDA_VISIBLE_DEVICES would count
-    node: str
-    name: str
-    memory_total: int  # bytes
-    link_group: str = ""  # GPUs of one group are best connected (NVLink island / PCIe switch)
-    simulated: bool = False
-    mig: bool = False
-
-
-@dataclasses.dataclass
-class GpuSample:
-    """What a device is doing now."""
-
-    memory_used: int = 0
-    utilization: float = 0.0  # percent
-    pids: dict[int, int] = dataclasses.field(default_factory=dict)  # pid -> bytes used
-    healthy: bool = True
 
 
 class Inventory(LoggingConfigurable):
@@ -65,6 +45,8 @@ class Inventory(LoggingConfigurable):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.procs = ProcessTracker()
+        #: Set by the lease owner: ask for a ``reconcile()`` soon. Safe to call from any thread.
+        self.wake: Callable[[], None] = lambda: None
 
     # --- what every inventory implements -------------------------------------------------
     def discover(self) -> list[GPU]:
@@ -88,19 +70,34 @@ class Inventory(LoggingConfigurable):
         """Whether a GPU a lease held is clean: none of the lease's processes is alive on it."""
         return not self.procs.any_alive(pids)
 
-    def forget(self, lease_id: str) -> None:
-        self.procs.forget(lease_id)
-
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "simulated": self.simulated}
 
-    # --- inventories that place grants on another engine (Ray, Slurm) ---------------------------
-    def placement(self, lease: Any) -> dict[str, Any] | None:
+    # --- what the lease owner tells an inventory, and what it asks back ------------------------
+    # The owner calls these on the event loop. An inventory keeps its own state (an engine's placements) and
+    # reports changes of the engine only through reconcile()'s answer; it never changes a lease.
+    def on_grant(self, lease: Lease, now: float) -> None:
+        """A lease was granted these devices (engines place it now)."""
+
+    def on_renew(self, lease: Lease, now: float) -> None:
+        """A holding lease's time limit grew."""
+
+    def on_end(self, lease: Lease) -> None:
+        """A lease ended (engines release its placement); it holds nothing any more."""
+        self.forget(lease.id)
+
+    def forget(self, lease_id: str) -> None:
+        """Drop what ``lease_active`` keeps of a lease (its processes' CPU counters)."""
+        self.procs.forget(lease_id)
+
+    def reconcile(self, leases: Mapping[str, Lease], now: float) -> list[InventoryChange]:
+        """Called on every tick (and soon after ``wake()``): the engine's changes since the last call.
+        ``leases``: the live leases, to read."""
+        return []
+
+    def placement(self, lease: Lease) -> dict[str, Any] | None:
         """Where a holding lease was placed, for its holder (the lease view's ``placement``); None: here."""
         return None
-
-    def reconcile(self, manager: Any) -> None:
-        """Called on every broker tick, on the event loop: reflect changes of the engine in the manager."""
 
     def close(self) -> None:
         pass

@@ -21,9 +21,10 @@ from typing import Any
 from traitlets import Float, Unicode, validate
 
 from ..core.errors import LeaseError
+from ..core.gpu import GPU, GpuSample
 from ..core.lease import parse_size
 from ..host.procs import is_descendant, proc_info
-from . import GPU, GpuSample, Inventory
+from . import Inventory
 
 
 class _LazyPynvml:

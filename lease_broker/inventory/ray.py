@@ -18,16 +18,16 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from traitlets import Float, Unicode, validate
 
 from ..core.errors import LeaseError
-from ..core.lease import HOLDING, Lease, LeaseState, parse_size
-from . import GPU, GpuSample, Inventory
-
-if TYPE_CHECKING:
-    from ..manager.manager import LeaseManager
+from ..core.gpu import GPU, GpuSample
+from ..core.lease import HOLDING, Lease, parse_size
+from . import Inventory
+from .changes import GpusChanged, InventoryChange, LeaseFailed
 
 log = logging.getLogger("lease_broker")
 
@@ -116,9 +116,10 @@ class RayInventory(Inventory):
         self._pg_state: dict[str, str] = {}  # lease id -> pending / ready
         self._pg_since: dict[str, float] = {}  # lease id -> when the group was created (monotonic)
         self._logged: set[str] = set()  # lease ids whose group was seen ready by the tick
-        self._manager: LeaseManager | None = None
+        self._reported: dict[str, GPU] = {}  # the GPUs as the broker last learned them (discover or a change)
+        self._adopted = False
         self._discovered = False
-        self._dirty = False  # discover() saw a different set of GPUs than the manager has
+        self._dirty = False  # discover() saw a different set of GPUs than the broker has
 
     # ---------------------------------------------------------------- connection
     def _connect(self) -> Any:
@@ -164,6 +165,8 @@ class RayInventory(Inventory):
                     for i in range(count)]
         with self._lock:
             self._dirty = self._dirty or (self._discovered and [g.id for g in out] != [g.id for g in self._gpus])
+            if not self._discovered:
+                self._reported = {g.id: g for g in out}  # the broker starts with these
             self._discovered = True
             self._gpus, self._declared, self._node_count = out, declared, len(nodes)
         return out
@@ -268,41 +271,40 @@ class RayInventory(Inventory):
                 log.debug("Lease %s: removing placement group: %s", lease_id, e)
 
     def _by_id(self) -> dict[str, GPU]:
-        if self._manager is not None:
-            return self._manager.gpu_by_id
-        return {g.id: g for g in self._gpus}
+        return self._reported or {g.id: g for g in self._gpus}
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        """Bus listener: create a group when a lease is granted, remove it when a lease ends."""
-        if event.get("type") != "lease" or self._manager is None:
-            return
-        view = event["lease"]
-        lease = self._manager.leases.get(view["id"])
+    # ---------------------------------------------------------------- the lease owner's calls
+    def on_grant(self, lease: Lease, now: float) -> None:
+        """Create the lease's placement group."""
         try:
-            if view["state"] == LeaseState.GRANTED.value and event.get("previous") == LeaseState.QUEUED.value:
-                if lease is not None:
-                    self._create(lease)
-            elif LeaseState(view["state"]).terminal:
-                self._remove(view["id"])
+            self._create(lease)
         except Exception:
-            log.exception("Lease %s: Ray placement failed", view["id"])
+            log.exception("Lease %s: Ray placement failed", lease.id)
 
-    def reconcile(self, manager: LeaseManager) -> None:
+    def on_end(self, lease: Lease) -> None:
+        super().on_end(lease)
+        try:
+            self._remove(lease.id)
+        except Exception:
+            log.exception("Lease %s: removing its Ray placement failed", lease.id)
+
+    def reconcile(self, leases: Mapping[str, Lease], now: float) -> list[InventoryChange]:
         """Called on every tick: groups for holding leases, no orphans, deadlines, node death."""
-        if self._manager is None:
-            self._manager = manager
-            manager.events.listeners.append(self._on_event)
-            self._adopt(manager)
+        changes: list[InventoryChange] = []
+        if not self._adopted:
+            self._adopted = True
+            self._adopt(leases)
         if self._dirty:
             with self._lock:
                 gpus, self._dirty = list(self._gpus), False
-            self._apply_gpus(manager, gpus)
-        self._check_pending(manager)
+            changes += self._gpus_changed(leases, gpus)
+        changes += self._check_pending(leases)
+        return changes
 
-    def _adopt(self, manager: LeaseManager) -> None:
+    def _adopt(self, leases: Mapping[str, Lease]) -> None:
         """At start: find the groups of holding leases again; remove those of leases that ended."""
         ray = self._connect()
-        holding = {lid for lid, lease in manager.leases.items() if lease.state in HOLDING}
+        holding = {lid for lid, lease in leases.items() if lease.state in HOLDING}
         try:  # the %%gpu workers of this broker's leases: named actors in its namespace
             named = sorted(a for a in ray.util.list_named_actors() if a.startswith(PG_PREFIX))
         except Exception:
@@ -323,13 +325,11 @@ class RayInventory(Inventory):
                          ", ".join(workers) or "none")
                 self._track(lid, pg)
             else:
-                try:
-                    self._create(manager.leases[lid])
-                except Exception:
-                    log.exception("Lease %s: Ray placement failed", lid)
+                self.on_grant(leases[lid], 0.0)
 
-    def _check_pending(self, manager: LeaseManager) -> None:
+    def _check_pending(self, leases: Mapping[str, Lease]) -> list[InventoryChange]:
         now = time.monotonic()
+        out: list[InventoryChange] = []
         for lid in list(self._pg_state):
             pg = self._pgs.get(lid)
             if pg is None or lid in self._logged:
@@ -347,25 +347,24 @@ class RayInventory(Inventory):
                          now - self._pg_since[lid])
                 continue
             if self.placement_timeout and now - self._pg_since[lid] > self.placement_timeout:
-                lease = manager.leases.get(lid)
                 log.error("Lease %s: Ray could not place its placement group within %g s (placement_timeout)",
                           lid, self.placement_timeout)
                 self._remove(lid)
-                if lease is not None and lease.state in HOLDING:
-                    manager.end(lease, LeaseState.FAILED, "placement_timeout")
+                out.append(LeaseFailed(lid, "placement_timeout"))
+        return out
 
-    def _apply_gpus(self, manager: LeaseManager, gpus: list[GPU]) -> None:
-        """The cluster changed (a node died or joined): new inventory; leases on lost GPUs fail."""
-        gone = set(manager.gpu_by_id) - {g.id for g in gpus}
+    def _gpus_changed(self, leases: Mapping[str, Lease], gpus: list[GPU]) -> list[InventoryChange]:
+        """The cluster changed (a node died or joined): the new inventory; leases on lost GPUs fail."""
+        gone = set(self._reported) - {g.id for g in gpus}
         log.info("Ray inventory changed: %d GPU(s) on %d node(s); gone: %s",
                  len(gpus), len({g.node for g in gpus}), ", ".join(sorted(gone)) or "none")
-        manager.set_gpus(gpus)
-        for lease in list(manager.leases.values()):
+        self._reported = {g.id: g for g in gpus}
+        out: list[InventoryChange] = [GpusChanged(tuple(gpus))]
+        for lease in leases.values():
             if lease.state in HOLDING and any(d in gone for d in lease.devices):
                 nodes = sorted({d.split(":")[1] for d in lease.devices if d in gone})
-                manager.end(lease, LeaseState.FAILED, "node_lost: " + " ".join(nodes))
-        manager.schedule()
-        manager._emit_gpus()
+                out.append(LeaseFailed(lease.id, "node_lost: " + " ".join(nodes)))
+        return out
 
     def close(self) -> None:
         """Disconnect; the detached groups of holding leases stay for the next broker to find."""

@@ -14,8 +14,9 @@ from typing import Any
 
 from traitlets import Integer, Unicode, validate
 
+from ..core.gpu import GPU, GpuSample
 from ..core.lease import parse_size
-from . import GPU, GpuSample, Inventory
+from . import Inventory
 
 _NAMESPACE = uuid.UUID("6b1f9e0c-3f5e-4c27-9c1e-5a0f5e0d1a11")
 _NAMESPACE_BYTES = _NAMESPACE.bytes  # a property that builds the bytes at every call

@@ -24,22 +24,20 @@ inventory), a job that Slurm ended (time limit, someone's scancel) or forgot.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import queue
 import re
-import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from traitlets import Float, List, Unicode, validate
 
+from ..core.gpu import GPU, GpuSample
 from ..core.lease import HOLDING, Lease, parse_size
-from . import GPU, GpuSample, Inventory
-from .slurm_alloc import Allocation
+from . import Inventory
+from .changes import InventoryChange
+from .slurm_alloc import Allocation, Changes, SlurmAllocations
 from .slurm_cli import (
     _ALLOC_RE,
     _GRES_RE,
@@ -50,6 +48,7 @@ from .slurm_cli import (
     WAIT_REASONS,
     Job,
     Node,
+    SlurmCommands,
     Snapshot,
     _per_node,
     expand_hostlist,
@@ -58,16 +57,13 @@ from .slurm_cli import (
 )
 from .slurm_reconcile import SlurmReconciler
 
-if TYPE_CHECKING:
-    from ..manager.manager import LeaseManager
-
 __all__ = ["CLOSED_STATES", "LIVE_STATES", "LOST_STATES", "WAIT_REASONS", "_ALLOC_RE", "_GRES_RE", "_IDX_RE",
            "Allocation", "Job", "Node", "SlurmInventory", "Snapshot", "expand_hostlist", "expand_indices", "gpu_id"]
 
 log = logging.getLogger("lease_broker")
 
 
-class SlurmInventory(SlurmReconciler, Inventory):
+class SlurmInventory(Inventory):
     kind = "slurm"
     simulated = False
 
@@ -139,24 +135,18 @@ class SlurmInventory(SlurmReconciler, Inventory):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.cli = SlurmCommands(self)
+        self.changes = Changes()
+        self.allocs = SlurmAllocations(self.cli, lambda: self.time_margin_seconds, lambda: self.wake(), self.changes)
+        self.reconciler = SlurmReconciler(self.cli, self.allocs, self.changes)
         self._lock = threading.Lock()
         self._gpus: list[GPU] = []
         self._nodes: dict[str, Node] = {}
-        self._allocs: dict[str, Allocation] = {}  # lease id -> its Slurm job (holding leases only)
-        self._ended: set[str] = set()  # leases ended while their salloc still ran
-        self._salloc: dict[str, subprocess.Popen[str]] = {}  # lease id -> salloc in flight
-        self._freeing: dict[str, str] = {}  # gpu id -> job id being cancelled (the GPU drains meanwhile)
-        self._results: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._reported: set[str] = set()  # the GPU ids as the broker last learned them
         self._snapshot: Snapshot | None = None
-        self._manager: LeaseManager | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dirty = False  # discover() saw a different set of GPUs than the manager has
+        self._dirty = False  # discover() saw a different set of GPUs than the broker has
         self._discovered = False
-        self._closed_marks: dict[str, str] = {}  # gpu id -> why, as set in the enforcer's unhealthy map
-        self._checked = False
-        self.cluster = ""
-        self.no_requeue = False
-        self.env = dict(os.environ)
+        self._adopted = False
 
     # ---------------------------------------------------------------- inventory
     def _gpus_of(self, nodes: dict[str, Node]) -> list[GPU]:
@@ -171,22 +161,24 @@ class SlurmInventory(SlurmReconciler, Inventory):
         return out
 
     def discover(self) -> list[GPU]:
-        self._check_setup()
-        nodes = self._read_nodes()
+        self.cli.check_setup()
+        nodes = self.cli.read_nodes()
         gpus = self._gpus_of(nodes)
         with self._lock:
             self._dirty = self._dirty or (self._discovered and [g.id for g in gpus] != [g.id for g in self._gpus])
+            if not self._discovered:
+                self._reported = {g.id for g in gpus}  # the broker starts with these
             self._gpus, self._nodes, self._discovered = gpus, nodes, True
         return gpus
 
     def sample(self) -> dict[str, GpuSample]:
         """Slurm reports no per-GPU use: refresh nodes and jobs (node death, ended jobs); empty samples."""
         started = time.monotonic()
-        jobs = self._read_jobs()  # first: a job that failed with its node finds the node down in what follows
+        jobs = self.cli.read_jobs()  # first: a job that failed with its node finds the node down in what follows
         gpus = self.discover()
         with self._lock:
             self._snapshot = Snapshot(started, dict(self._nodes), jobs)
-        self._wake()
+        self.wake()
         return {g.id: GpuSample() for g in gpus}
 
     def visible_devices(self, gpus: list[GPU]) -> str:
@@ -195,29 +187,29 @@ class SlurmInventory(SlurmReconciler, Inventory):
 
     def is_drained(self, gpu_id: str, pids: list[int], samples: dict[str, GpuSample]) -> bool:
         """Clean when the lease's local processes (if any) are gone and Slurm no longer holds the GPU."""
-        return super().is_drained(gpu_id, pids, samples) and gpu_id not in self._freeing
+        return super().is_drained(gpu_id, pids, samples) and not self.allocs.freeing(gpu_id)
 
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "simulated": False,
             "engine": "slurm",
-            "cluster": self.cluster,
-            "partition": self.partition,
+            "cluster": self.cli.cluster,
+            "partition": self.cli.partition,
             "nodes": len([n for n in self._nodes.values() if n.gpus]),
             "job_prefix": self.job_prefix,
         }
 
     def placement(self, lease: Lease) -> dict[str, Any] | None:
-        alloc = self._allocs.get(lease.id)
+        alloc = self.allocs.allocs.get(lease.id)
         if alloc is None or lease.state not in HOLDING:
             return None
         nodes = alloc.nodes or [{"node": n, "gpus": c, "indices": None} for n, c in _per_node(lease.devices).items()]
         bundles = [{"index": i, **n} for i, n in enumerate(nodes)]  # one per node, as Ray's placement says it
         return {
             "kind": "slurm",
-            "cluster": self.cluster,
-            "partition": self.partition,
+            "cluster": self.cli.cluster,
+            "partition": self.cli.partition,
             "job_name": alloc.name,
             "job_id": alloc.job_id or None,
             "state": alloc.state,
@@ -225,20 +217,40 @@ class SlurmInventory(SlurmReconciler, Inventory):
             "bundles": bundles,
         }
 
-    # ---------------------------------------------------------------- the manager's hooks
-    def reconcile(self, manager: LeaseManager) -> None:
-        """Called on every tick: allocations for holding leases, none for others, deadlines, nodes, ended jobs."""
-        if self._manager is None:
-            self._manager = manager
-            try:
-                self._loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self._loop = None
-            manager.events.listeners.append(self._on_event)
-            self._adopt(manager)
-        self._apply_results()
-        self._check_pending(manager)
+    # ---------------------------------------------------------------- the lease owner's calls
+    def on_grant(self, lease: Lease, now: float) -> None:
+        try:
+            self.allocs.allocate(lease, now)
+        except Exception:
+            log.exception("Lease %s: Slurm placement failed", lease.id)
+
+    def on_renew(self, lease: Lease, now: float) -> None:
+        self.allocs.extend(lease, now)
+
+    def on_end(self, lease: Lease) -> None:
+        super().on_end(lease)
+        self.allocs.end(lease.id)
+
+    def reconcile(self, leases: Mapping[str, Lease], now: float) -> list[InventoryChange]:
+        """Called on every tick (and when a thread has a result): allocations for holding leases, none for others,
+        deadlines, nodes, ended jobs."""
+        if not self._adopted:
+            self._adopted = True
+            self.reconciler.adopt(leases, now)
+        self.allocs.apply_results(leases, self._reported)
+        with self._lock:
+            snap, self._snapshot = self._snapshot, None
+            gpus = list(self._gpus) if self._dirty else None
+            self._dirty = False
+        if snap is not None:
+            self.reconciler.apply_snapshot(leases, snap, self._reported, gpus)
+            if gpus is not None:
+                self._reported = {g.id for g in gpus}
+        elif gpus is not None:  # no snapshot yet to apply it with: later
+            with self._lock:
+                self._dirty = True
+        self.reconciler.check_pending(self.placement_timeout)
+        return self.changes.take()
 
     def close(self) -> None:
         """Nothing to disconnect; allocations of holding leases stay for the next broker to find."""
-        self._loop = None

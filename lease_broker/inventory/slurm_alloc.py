@@ -1,9 +1,9 @@
 """Allocations of the Slurm inventory: a lease's salloc (in a thread), its grant or refusal handed to the
-event loop, and its release (scancel, then waiting until Slurm frees the GPUs) and time limit updates."""
+event loop (as changes for the lease owner), and its release (scancel, then waiting until Slurm frees the GPUs)
+and time limit updates."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
@@ -12,16 +12,14 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import LeaseError
-from ..core.lease import HOLDING, Lease, LeaseState
+from ..core.lease import HOLDING, Lease
+from .changes import InventoryChange, LeaseFailed, LeasePlaced
 from .slurm_cli import _ALLOC_RE, LIVE_STATES, SlurmCommands, _reason, _slurm_message, gpu_id
-
-if TYPE_CHECKING:
-    from ..manager.manager import LeaseManager
 
 log = logging.getLogger("lease_broker")
 
@@ -42,36 +40,57 @@ class Allocation:
     said: str = ""  # what salloc said about a pending job
 
 
-class SlurmAllocations(SlurmCommands):
-    """The Slurm jobs behind holding leases (a base of SlurmInventory, whose traitlets and state these use)."""
+class Changes:
+    """Changes for the lease owner, gathered on the event loop until the inventory's next reconcile()."""
 
-    time_margin_seconds: float
-    _lock: threading.Lock
-    _allocs: dict[str, Allocation]
-    _ended: set[str]
-    _salloc: dict[str, subprocess.Popen[str]]
-    _freeing: dict[str, str]
-    _results: queue.SimpleQueue[Callable[[], None]]
-    _manager: LeaseManager | None
-    _loop: asyncio.AbstractEventLoop | None
+    def __init__(self) -> None:
+        self.items: list[InventoryChange] = []
+
+    def fail(self, lease_id: str, reason: str) -> None:
+        log.error("Lease %s: %s", lease_id, reason)
+        self.items.append(LeaseFailed(lease_id, _reason(reason)))
+
+    def take(self) -> list[InventoryChange]:
+        out, self.items = self.items, []
+        return out
+
+
+class SlurmAllocations:
+    """The Slurm jobs behind holding leases: each lease's salloc (in a thread), its grant or refusal (handed to
+    the event loop as a result), its release (scancel, then waiting until Slurm frees the GPUs) and time limit."""
+
+    def __init__(self, cli: SlurmCommands, time_margin_seconds: Callable[[], float], wake: Callable[[], None],
+                 changes: Changes) -> None:
+        self.cli, self._margin, self._wake, self.changes = cli, time_margin_seconds, wake, changes
+        self._lock = threading.Lock()
+        self.allocs: dict[str, Allocation] = {}  # lease id -> its Slurm job (holding leases only)
+        self._ended: set[str] = set()  # leases ended while their salloc still ran
+        self._salloc: dict[str, subprocess.Popen[str]] = {}  # lease id -> salloc in flight
+        self._freeing: dict[str, str] = {}  # gpu id -> job id being cancelled (the GPU drains meanwhile)
+        self._results: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._leases: Mapping[str, Lease] = {}  # the live leases, as the last reconcile() gave them
+        self._known: set[str] = set()  # the GPUs the broker has, as the last reconcile() gave them
+
+    def freeing(self, gpu_id: str) -> bool:
+        """Whether Slurm may still hold a GPU of a cancelled job."""
+        return gpu_id in self._freeing
 
     # ---------------------------------------------------------------- allocations
-    def _time_limit(self, lease: Lease) -> int:
-        remaining = (lease.expires_at - self._manager.clock.now()) if self._manager and lease.expires_at else \
-            lease.duration_seconds
-        return max(1, math.ceil((max(remaining, 0.0) + self.time_margin_seconds) / 60.0))
+    def _time_limit(self, lease: Lease, now: float | None) -> int:
+        remaining = (lease.expires_at - now) if now is not None and lease.expires_at else lease.duration_seconds
+        return max(1, math.ceil((max(remaining, 0.0) + self._margin()) / 60.0))
 
-    def _allocate(self, lease: Lease) -> None:
-        if lease.id in self._allocs:
+    def allocate(self, lease: Lease, now: float | None) -> None:
+        if lease.id in self.allocs:
             return
-        alloc = Allocation(lease.id, self.job_name(lease.id), devices=list(lease.devices))
-        self._allocs[lease.id] = alloc
+        alloc = Allocation(lease.id, self.cli.job_name(lease.id), devices=list(lease.devices))
+        self.allocs[lease.id] = alloc
         if lease.request.shared:
             self._post(lambda: self._refuse(lease.id, "", "shared (fractional) GPUs cannot be leased through Slurm, "
                                             "whose GRES are whole GPUs: ask for whole GPUs"))
             return
-        alloc.time_limit = self._time_limit(lease)
-        cmd = self.salloc_command(lease, alloc.time_limit)
+        alloc.time_limit = self._time_limit(lease, now)
+        cmd = self.cli.salloc_command(lease, alloc.time_limit)
         log.info("Lease %s: allocating in Slurm: %s", lease.id, " ".join(cmd))
         threading.Thread(target=self._salloc_thread, args=(lease.id, cmd), daemon=True,
                          name=f"gpulease-salloc-{lease.id}").start()
@@ -82,7 +101,7 @@ class SlurmAllocations(SlurmCommands):
         notes: list[str] = []
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=self.env, start_new_session=True)
+                                    text=True, env=self.cli.env, start_new_session=True)
         except OSError as e:
             why = f"cannot run salloc: {e}"
             self._post(lambda: self._refuse(lease_id, "", why))
@@ -112,7 +131,7 @@ class SlurmAllocations(SlurmCommands):
                 self._cancel_job(job_id, [])
                 return
             try:
-                nodes = self._allocation_nodes(job_id)
+                nodes = self.cli.allocation_nodes(job_id)
             except LeaseError as e:
                 log.warning("Lease %s: cannot read the GPUs of Slurm job %s: %s", lease_id, job_id, e)
                 nodes = []
@@ -123,20 +142,13 @@ class SlurmAllocations(SlurmCommands):
             self._post(lambda: self._refuse(lease_id, job_id, message))
 
     def _post(self, fn: Callable[[], None]) -> None:
-        """Hand a result of a thread to the event loop (at once when one runs, else at the next reconcile)."""
+        """Hand a result of a thread to the event loop: the owner reconciles soon and applies it."""
         self._results.put(fn)
         self._wake()
 
-    def _wake(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._apply_results)
-            except RuntimeError:
-                pass
-
-    def _apply_results(self) -> None:
-        """The threads' results, in order (SlurmReconciler then applies the last refresh's snapshot)."""
+    def apply_results(self, leases: Mapping[str, Lease], known: set[str]) -> None:
+        """The threads' results, in order (on the event loop); ``known``: the GPUs the broker has."""
+        self._leases, self._known = leases, known
         while True:
             try:
                 fn = self._results.get_nowait()
@@ -148,71 +160,70 @@ class SlurmAllocations(SlurmCommands):
                 log.exception("Slurm inventory: applying a result failed")
 
     # results, on the event loop
-    def _live(self, lease_id: str) -> Lease | None:
-        lease = self._manager.leases.get(lease_id) if self._manager else None
+    def live(self, lease_id: str) -> Lease | None:
+        lease = self._leases.get(lease_id)
         return lease if lease is not None and lease.state in HOLDING else None
 
     def _pending(self, lease_id: str, job_id: str, said: str) -> None:
-        alloc = self._allocs.get(lease_id)
+        alloc = self.allocs.get(lease_id)
         if alloc is not None:
             alloc.job_id, alloc.said = job_id, said
             log.info("Lease %s: Slurm job %s pending%s", lease_id, job_id, f": {said}" if said else "")
 
     def _granted(self, lease_id: str, job_id: str, nodes: list[dict[str, Any]], elapsed: float) -> None:
-        alloc, lease = self._allocs.get(lease_id), self._live(lease_id)
+        alloc, lease = self.allocs.get(lease_id), self.live(lease_id)
         if alloc is None or lease is None:
             self._cancel(lease_id, job_id, [])
             return
         alloc.job_id, alloc.state, alloc.nodes, alloc.granted_at = job_id, "ready", nodes, time.monotonic()
         log.info("Lease %s: Slurm job %s granted after %.3f s: %s", lease_id, job_id, elapsed,
                  " ".join(f"{n['node']}:{','.join(map(str, n['indices']))}" for n in nodes))
-        self._follow_slurm_indices(lease, nodes)
-        assert self._manager is not None
-        self._manager.events.publish("lease", lease=self._manager.view(lease), change="placed", user=lease.user)
+        devices = self._slurm_choice(lease, nodes)
+        if devices is not None:
+            alloc.devices = list(devices)
+        self.changes.items.append(LeasePlaced(lease_id, devices))
 
-    def _follow_slurm_indices(self, lease: Lease, nodes: list[dict[str, Any]]) -> None:
-        """Slurm picks the GPU indices on each node: make the lease's devices the ones it picked."""
-        assert self._manager is not None
+    def _slurm_choice(self, lease: Lease, nodes: list[dict[str, Any]]) -> tuple[str, ...] | None:
+        """Slurm picks the GPU indices on each node: the lease's devices become those (None: as they are)."""
         chosen = [gpu_id(n["node"], i) for n in nodes for i in n["indices"]]
         if not chosen or sorted(chosen) == sorted(lease.devices):
-            return
-        held = {d for other in self._manager.leases.values() if other is not lease and other.state in HOLDING
+            return None
+        held = {d for other in self._leases.values() if other is not lease and other.state in HOLDING
                 for d in other.devices}
-        known = self._manager.gpu_by_id
+        known = self._known
         if len(chosen) != len(lease.devices) or any(d in held or d not in known for d in chosen):
             log.warning("Lease %s: Slurm gave GPUs %s, the broker chose %s (held elsewhere or unknown: kept)",
                         lease.id, chosen, lease.devices)
-            return
+            return None
         log.info("Lease %s: devices follow Slurm's choice: %s -> %s", lease.id, lease.devices, chosen)
-        lease.devices = chosen
-        self._manager.table.sync(lease)
-        alloc = self._allocs.get(lease.id)
-        if alloc is not None:
-            alloc.devices = list(chosen)
-        self._manager.store.update(lease)
-        self._manager._emit_gpus()
+        return tuple(chosen)
 
     def _refuse(self, lease_id: str, job_id: str, message: str) -> None:
-        lease = self._live(lease_id)
-        self._allocs.pop(lease_id, None)
+        lease = self.live(lease_id)
+        self.allocs.pop(lease_id, None)
         if job_id:
-            self._cancel_job_async(job_id, [])
-        if lease is not None and self._manager is not None:
-            log.error("Lease %s: Slurm refused the allocation: %s", lease_id, message)
-            self._manager.end(lease, LeaseState.FAILED, _reason("slurm_refused: " + message))
+            self.cancel_job_async(job_id, [])
+        if lease is not None:
+            self.changes.fail(lease_id, "slurm_refused: " + message)
 
     # ---------------------------------------------------------------- release
+    def end(self, lease_id: str) -> None:
+        """A lease ended: cancel its allocation, if it has one."""
+        alloc = self.allocs.pop(lease_id, None)
+        if alloc is not None:
+            self._cancel(lease_id, alloc.job_id, alloc.devices)
+
     def _cancel(self, lease_id: str, job_id: str, devices: list[str]) -> None:
         """End a lease's allocation (by name too: it may still be pending, or not yet known)."""
         with self._lock:
             if lease_id in self._salloc:
                 self._ended.add(lease_id)
             for d in devices:
-                self._freeing[d] = job_id or self.job_name(lease_id)
+                self._freeing[d] = job_id or self.cli.job_name(lease_id)
         threading.Thread(target=self._cancel_thread, args=(lease_id, job_id, devices), daemon=True,
                          name=f"gpulease-scancel-{lease_id}").start()
 
-    def _cancel_job_async(self, job_id: str, devices: list[str]) -> None:
+    def cancel_job_async(self, job_id: str, devices: list[str]) -> None:
         threading.Thread(target=self._cancel_job, args=(job_id, devices), daemon=True).start()
 
     def _cancel_thread(self, lease_id: str, job_id: str, devices: list[str]) -> None:
@@ -220,19 +231,19 @@ class SlurmAllocations(SlurmCommands):
             if job_id:
                 self._cancel_job(job_id, devices)
             else:
-                self._run("scancel", f"--name={self.job_name(lease_id)}", f"--user={os.getuid()}", check=False)
+                self.cli.run("scancel", f"--name={self.cli.job_name(lease_id)}", f"--user={os.getuid()}", check=False)
         finally:
             self._freed(devices)
 
     def _cancel_job(self, job_id: str, devices: list[str]) -> None:
         """scancel, then wait (bounded) until Slurm no longer holds the job's GPUs."""
         try:
-            p = self._run("scancel", job_id, check=False)
+            p = self.cli.run("scancel", job_id, check=False)
             if p.returncode and "Invalid job id" not in p.stderr and "already completing" not in p.stderr:
                 log.error("Slurm job %s: scancel failed: %s", job_id, _slurm_message(p.stderr))
-            deadline = time.monotonic() + self.command_timeout + 60  # KillWait and the steps' exit
+            deadline = time.monotonic() + self.cli.settings.command_timeout + 60  # KillWait and the steps' exit
             while time.monotonic() < deadline:
-                q = self._run("squeue", "--noheader", f"--jobs={job_id}", "--states=all", "--format=%T", check=False)
+                q = self.cli.run("squeue", "--noheader", f"--jobs={job_id}", "--states=all", "--format=%T", check=False)
                 state = q.stdout.strip()
                 if q.returncode or state not in LIVE_STATES:
                     log.debug("Slurm job %s: freed (%s)", job_id, state or "gone")
@@ -249,17 +260,18 @@ class SlurmAllocations(SlurmCommands):
             for d in devices:
                 self._freeing.pop(d, None)
 
-    def _update_time_limit(self, lease: Lease) -> None:
-        alloc = self._allocs.get(lease.id)
+    def extend(self, lease: Lease, now: float) -> None:
+        """A lease's time limit grew: so does its job's (never shrinks)."""
+        alloc = self.allocs.get(lease.id)
         if alloc is None or not alloc.job_id:
             return
-        minutes = self._time_limit(lease)
+        minutes = self._time_limit(lease, now)
         if minutes <= alloc.time_limit:
             return
         alloc.time_limit = minutes
 
         def update() -> None:
-            p = self._run("scontrol", "update", f"JobId={alloc.job_id}", f"TimeLimit={minutes}", check=False)
+            p = self.cli.run("scontrol", "update", f"JobId={alloc.job_id}", f"TimeLimit={minutes}", check=False)
             if p.returncode:
                 log.error("Lease %s: Slurm refused to extend job %s to %d min: %s (Slurm ends it at its own limit)",
                           lease.id, alloc.job_id, minutes, _slurm_message(p.stderr))

@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.errors import LeaseError
 from ..core.lease import Lease
@@ -118,32 +118,41 @@ def _reason(text: str) -> str:
     return " ".join(text.split())[:240]
 
 
-class SlurmCommands:
-    """The Slurm inventory's commands (a base of SlurmInventory, whose traitlets and state these use)."""
+class SlurmSettings(Protocol):
+    """What the commands read of the Slurm inventory's configuration."""
 
     partition: str
     account: str
     job_prefix: str
     salloc_args: list[str]
     command_timeout: float
-    env: dict[str, str]
-    cluster: str
-    no_requeue: bool
-    _checked: bool
+
+
+class SlurmCommands:
+    """Slurm's client commands as the Slurm inventory runs them, and what it learned of the cluster at setup."""
+
+    def __init__(self, settings: SlurmSettings) -> None:
+        self.settings = settings
+        self.partition = settings.partition  # the cluster's default partition when the setting is empty
+        self.cluster = ""
+        self.no_requeue = False
+        self.env = dict(os.environ)
+        self._checked = False
 
     # ---------------------------------------------------------------- commands
-    def _run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.command_timeout, env=self.env)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.settings.command_timeout,
+                               env=self.env)
         except subprocess.TimeoutExpired:
-            raise LeaseError(f"Slurm: `{' '.join(cmd[:3])} ...` did not answer within {self.command_timeout:g} s "
+            raise LeaseError(f"Slurm: `{' '.join(cmd[:3])} ...` did not answer within {self.settings.command_timeout:g} s "
                              "(SlurmInventory.command_timeout)", reason="slurm_unavailable") from None
         if check and p.returncode:
             raise LeaseError(f"Slurm: `{' '.join(cmd[:3])} ...` failed: {_slurm_message(p.stderr)}",
                              reason="slurm_unavailable")
         return p
 
-    def _check_setup(self) -> None:
+    def check_setup(self) -> None:
         if self._checked:
             return
         missing = [c for c in ("salloc", "scancel", "squeue", "sinfo", "scontrol") if not shutil.which(c)]
@@ -152,15 +161,15 @@ class SlurmCommands:
                              "install slurm-client (and munge) on the broker's host, or choose another --inventory",
                              reason="startup")
         try:
-            config = self._run("scontrol", "show", "config").stdout
+            config = self.run("scontrol", "show", "config").stdout
         except LeaseError as e:
             raise LeaseError(f"Cannot reach the Slurm controller ({e}): check $SLURM_CONF and munge on this host, "
                              "or choose another --inventory", reason="startup") from None
         m = re.search(r"^ClusterName\s*=\s*(\S+)", config, re.MULTILINE)
         self.cluster = m.group(1) if m else ""
-        self.no_requeue = "--no-requeue" in self._run("salloc", "--help", check=False).stdout
+        self.no_requeue = "--no-requeue" in self.run("salloc", "--help", check=False).stdout
         if not self.partition:
-            parts = self._run("sinfo", "--noheader", "--format=%P").stdout.split()
+            parts = self.run("sinfo", "--noheader", "--format=%P").stdout.split()
             default = [p.rstrip("*") for p in parts if p.endswith("*")]
             if not default:
                 raise LeaseError("Slurm has no default partition: set --SlurmInventory.partition", reason="startup")
@@ -168,8 +177,8 @@ class SlurmCommands:
         self._checked = True
 
     # ---------------------------------------------------------------- nodes and jobs
-    def _read_nodes(self) -> dict[str, Node]:
-        out = self._run("sinfo", "--noheader", "--Node", f"--partition={self.partition}",
+    def read_nodes(self) -> dict[str, Node]:
+        out = self.run("sinfo", "--noheader", "--Node", f"--partition={self.partition}",
                         "--format=%N|%G|%T|%E").stdout
         nodes: dict[str, Node] = {}
         for line in out.splitlines():
@@ -182,11 +191,11 @@ class SlurmCommands:
                                state.rstrip("*~#!%$@^-+"), responding, reason.strip())
         return nodes
 
-    def _read_jobs(self) -> dict[str, Job]:
-        out = self._run("squeue", "--noheader", "--states=all", f"--user={os.getuid()}",
+    def read_jobs(self) -> dict[str, Job]:
+        out = self.run("squeue", "--noheader", "--states=all", f"--user={os.getuid()}",
                         "--format=%i|%T|%r|%N|%j").stdout
         jobs: dict[str, Job] = {}
-        ours = re.compile(re.escape(self.job_prefix) + r"-l-[0-9a-f]+")  # lease ids: l-<hex>
+        ours = re.compile(re.escape(self.settings.job_prefix) + r"-l-[0-9a-f]+")  # lease ids: l-<hex>
         for line in out.splitlines():
             parts = line.split("|", 4)
             if len(parts) == 5 and ours.fullmatch(parts[4]):
@@ -198,7 +207,7 @@ class SlurmCommands:
 
     # ---------------------------------------------------------------- allocations
     def job_name(self, lease_id: str) -> str:
-        return f"{self.job_prefix}-{lease_id}"
+        return f"{self.settings.job_prefix}-{lease_id}"
 
     def salloc_command(self, lease: Lease, minutes: int) -> list[str]:
         per_node = _per_node(lease.devices)
@@ -208,15 +217,15 @@ class SlurmCommands:
                f"--time={minutes}", f"--comment=jupyter-gpulease lease {lease.id} of {lease.user}"]
         # the same count everywhere: GRES per node (each node exactly); else the total, Slurm spreads it
         cmd.append(f"--gres=gpu:{counts.pop()}" if len(counts) == 1 else f"--gpus={len(lease.devices)}")
-        if self.account:
-            cmd.append(f"--account={self.account}")
+        if self.settings.account:
+            cmd.append(f"--account={self.settings.account}")
         if self.no_requeue:
             cmd.append("--no-requeue")
-        return cmd + list(self.salloc_args)
+        return cmd + list(self.settings.salloc_args)
 
-    def _allocation_nodes(self, job_id: str) -> list[dict[str, Any]]:
+    def allocation_nodes(self, job_id: str) -> list[dict[str, Any]]:
         """Per node of the job, the GPU indices Slurm gave it (``scontrol show job -d``)."""
-        text = self._run("scontrol", "--details", "show", "job", job_id).stdout
+        text = self.run("scontrol", "--details", "show", "job", job_id).stdout
         nodes: list[dict[str, Any]] = []
         for m in _IDX_RE.finditer(text):
             indices = expand_indices(m.group(2))

@@ -9,27 +9,55 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..core.clock import Clock
+from ..core.errors import BadRequest, Forbidden
+from ..core.gpu import GpuSample
+from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
-from ..host.procs import children_map, proc_info, signal_group
+from ..core.slots import SlotIndex
+from ..host.procs import ProcInfo, children_map, is_descendant, proc_info, signal_group
+from ..policy.lease_policy import LeasePolicy
+from .events import EventBus
 from .gpuwatch import GpuWatch
-
-if TYPE_CHECKING:
-    from .manager import LeaseManager
+from .ports import LeaseOps
+from .state import LiveState
 
 log = logging.getLogger("lease_broker")
 
 
+class Probe(Protocol):
+    """What the enforcer asks of the inventory."""
+
+    def lease_active(self, lease_id: str, pids: list[int], samples: dict[str, GpuSample],
+                     devices: list[str]) -> bool: ...
+
+    def is_drained(self, gpu_id: str, pids: list[int], samples: dict[str, GpuSample]) -> bool: ...
+
+
+class DrainStore(Protocol):
+    """The store's records of processes and draining GPUs (not lease state)."""
+
+    def drain(self, gpu_ids: list[str], lease_id: str, pids: list[int], since: float) -> None: ...
+
+    def drained(self, gpu_id: str) -> None: ...
+
+    def detach_all(self, lease_id: str) -> None: ...
+
+
 class Enforcer:
-    def __init__(self, manager: "LeaseManager") -> None:
-        self.m = manager
+    def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, probe: Probe, store: DrainStore,
+                 events: EventBus, clock: Clock) -> None:
+        self.state, self.ops, self.policy, self.probe, self.store = state, ops, policy, probe, store
+        self.events, self.clock = events, clock
         self.proc_ticks: dict[str, dict[int, int]] = {}  # lease id -> pid -> start ticks
         self.draining: dict[str, tuple[str, float, list[int]]] = {}  # gpu -> (lease, since, pids)
         self.unhealthy: dict[str, str] = {}  # gpu -> why
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
         self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
-        self.watch = GpuWatch(manager)
+        self.closed: dict[str, str] = {}  # gpu -> why, as an engine closed it (a subset of unhealthy)
+        self.watch = GpuWatch(state, ops, policy, events, clock, self)
 
     # ---------------------------------------------------------------- processes
     def remember(self, lease_id: str, pids: dict[int, int]) -> None:
@@ -41,7 +69,7 @@ class Enforcer:
         pids = known or {}
         self.warned.pop(lease.id, None)
         alive = {p: t for p, t in pids.items() if _alive(p, t)}
-        now = self.m.clock.now()
+        now = self.clock.now()
         # the GPU is clean only when the descendants are gone too (they may have left the process group)
         # (only live ones: a dead pid may since belong to an unrelated process, which must not hold the GPU)
         drain_pids = sorted(set(alive) | _descendants(list(alive)))
@@ -49,19 +77,50 @@ class Enforcer:
             for pid, ticks in alive.items():
                 if signal_group(pid, ticks, signal.SIGTERM):
                     log.info("Lease %s ended: SIGTERM to process group of %s", lease.id, pid)
-            self.kills[lease.id] = (now + self.m.policy.term_timeout, alive)
+            self.kills[lease.id] = (now + self.policy.term_timeout, alive)
         devices = list(lease.devices)
-        samples = self.m.samples
-        dirty = [d for d in devices if alive or not self.m.inventory.is_drained(d, drain_pids, samples)]
+        samples = self.state.samples
+        dirty = [d for d in devices if alive or not self.probe.is_drained(d, drain_pids, samples)]
         if dirty:
             for d in dirty:
                 self.draining[d] = (lease.id, now, drain_pids)
-            self.m.store.drain(dirty, lease.id, drain_pids, now)
+            self.store.drain(dirty, lease.id, drain_pids, now)
         if known is not None:  # a transaction less for the many leases that never attach a process
-            self.m.store.detach_all(lease.id)
+            self.store.detach_all(lease.id)
+
+    def check_attach(self, pid: int, who: Identity) -> ProcInfo:
+        """A process the caller may attach to a lease: alive here, the caller's own, the caller or a descendant."""
+        info = proc_info(pid)
+        if info is None:
+            raise BadRequest(f"No process {pid} is running on the broker's host")
+        if who.uid < 0:
+            raise Forbidden("Processes can be attached only over the broker's Unix socket")
+        if info.uid != who.uid:
+            raise Forbidden(f"Process {pid} does not belong to you")
+        if who.pid and not is_descendant(pid, who.pid):
+            raise Forbidden(f"Process {pid} is not the caller or one of its descendants")
+        return info
 
     def restore_drains(self, drains: dict[str, tuple[str, float, list[int]]]) -> None:
-        self.draining.update({g: d for g, d in drains.items() if g in self.m.gpu_by_id})
+        self.draining.update({g: d for g, d in drains.items() if g in self.state.gpu_by_id})
+
+    def set_closed(self, reasons: dict[str, str]) -> bool:
+        """The GPUs an engine takes no new leases on (replacing what it said before); whether that changed."""
+        if reasons == self.closed:
+            return False
+        for gid, why in self.closed.items():
+            if gid not in reasons and self.unhealthy.get(gid) == why:
+                del self.unhealthy[gid]
+        for gid, why in reasons.items():
+            if gid not in self.unhealthy:
+                self.unhealthy[gid] = why
+                log.info("GPU %s unavailable: %s", gid, why)
+        self.closed = dict(reasons)
+        return True
+
+    def slot_index(self, now: float) -> SlotIndex:
+        """The GPUs for a pass: the table's index, with draining GPUs free after term_timeout, unhealthy never."""
+        return self.state.table.slot_index(self.draining, self.unhealthy, now + self.policy.term_timeout)
 
     def clear_warning(self, lease_id: str, kind: str) -> None:
         warned = self.warned.get(lease_id)
@@ -75,29 +134,28 @@ class Enforcer:
 
     # ---------------------------------------------------------------- time
     def tick(self, now: float) -> None:
-        m = self.m
-        pol = m.policy
+        ops, pol, samples = self.ops, self.policy, self.state.samples
         self._escalate(now)
         self.watch.check(now)
         self._drain(now)
-        for lease in list(m.leases.values()):
+        for lease in list(self.state.leases.values()):
             if lease.state not in HOLDING:
                 continue
             if lease.expires_at is not None and now >= lease.expires_at:
-                m.end(lease, LeaseState.EXPIRED, "expired")
+                ops.end(lease, LeaseState.EXPIRED, "expired")
                 continue
             if pol.heartbeat_timeout and lease.request.heartbeat and now - lease.last_heartbeat > pol.heartbeat_timeout:
-                m.end(lease, LeaseState.REVOKED, "holder_gone")
+                ops.end(lease, LeaseState.REVOKED, "holder_gone")
                 continue
             pids = list(self.proc_ticks.get(lease.id, {}))
-            if pids and m.inventory.lease_active(lease.id, pids, m.samples, lease.devices):
-                m.activity(lease, now)
+            if pids and self.probe.lease_active(lease.id, pids, samples, lease.devices):
+                ops.activity(lease, now)
             idle_for = now - lease.last_activity
             if lease.idle_timeout_seconds and idle_for >= lease.idle_timeout_seconds:
-                m.end(lease, LeaseState.REVOKED, "idle")
+                ops.end(lease, LeaseState.REVOKED, "idle")
                 continue
             if lease.state != LeaseState.IDLE and idle_for >= min(pol.idle_mark_seconds, lease.idle_timeout_seconds or 1e18):
-                m.transition(lease, LeaseState.IDLE, "no_activity")
+                ops.mark_idle(lease)
             warned = self.warned.setdefault(lease.id, set())
             if (
                 lease.idle_timeout_seconds
@@ -116,10 +174,10 @@ class Enforcer:
 
     def _warn(self, lease: Lease, kind: str, deadline: float) -> None:
         log.info("Lease %s warned: %s at %.0f, user %s", lease.id, kind, deadline, lease.user)
-        self.m.events.publish(
+        self.events.publish(
             "warning", lease_id=lease.id, user=lease.user, kind=kind, deadline=deadline,
             message=f"Lease {lease.id} will be {'revoked for idleness' if kind == 'idle' else 'expired'} "
-            f"in {max(0.0, deadline - self.m.clock.now()):.0f} s",
+            f"in {max(0.0, deadline - self.clock.now()):.0f} s",
         )
 
     def _escalate(self, now: float) -> None:
@@ -136,20 +194,20 @@ class Enforcer:
     def _drain(self, now: float) -> None:
         freed = []
         for gpu_id, (lease_id, since, pids) in list(self.draining.items()):
-            if self.m.inventory.is_drained(gpu_id, pids, self.m.samples):
+            if self.probe.is_drained(gpu_id, pids, self.state.samples):
                 del self.draining[gpu_id]
-                self.m.store.drained(gpu_id)
+                self.store.drained(gpu_id)
                 freed.append(gpu_id)
                 log.info("GPU %s drained after lease %s (%.2f s)", gpu_id, lease_id, now - since)
-            elif now - since > max(self.m.policy.drain_timeout, 2 * self.m.policy.term_timeout):
+            elif now - since > max(self.policy.drain_timeout, 2 * self.policy.term_timeout):
                 del self.draining[gpu_id]
-                self.m.store.drained(gpu_id)
+                self.store.drained(gpu_id)
                 self.unhealthy[gpu_id] = f"processes of lease {lease_id} still on it after {now - since:.0f} s"
                 log.error("GPU %s unhealthy: %s", gpu_id, self.unhealthy[gpu_id])
-                self.m.events.publish("gpu_unhealthy", gpu_id=gpu_id, message=self.unhealthy[gpu_id], user=None)
+                self.events.publish("gpu_unhealthy", gpu_id=gpu_id, message=self.unhealthy[gpu_id], user=None)
         if freed:
-            self.m.schedule()
-            self.m._emit_gpus()
+            self.ops.schedule_soon()
+            self.ops.gpus_changed()
 
 
 def _alive(pid: int, ticks: int) -> bool:

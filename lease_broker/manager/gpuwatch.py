@@ -13,17 +13,29 @@ import logging
 import os
 import pwd
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..core.fractional import check_memory_caps
+from ..core.clock import Clock
+from ..core.fractional import memory_cap
+from ..core.gpu import GpuSample
 from ..core.identity import Identity
-from ..core.lease import HOLDING
+from ..core.lease import HOLDING, LeaseState
 from ..host.procs import is_descendant, proc_info
+from ..policy.lease_policy import LeasePolicy
+from .events import EventBus
+from .ports import LeaseOps
+from .state import LiveState
 
-if TYPE_CHECKING:
-    from .manager import LeaseManager
+
+class Enforcement(Protocol):
+    """What the watch reads and marks of the enforcer's records."""
+
+    unhealthy: dict[str, str]
+    proc_ticks: dict[str, dict[int, int]]
+    draining: dict[str, tuple[str, float, list[int]]]
 
 log = logging.getLogger("lease_broker")
+OVER_MEMORY_CAP = "over_memory_cap"
 
 
 def _user_name(uid: int) -> str:
@@ -34,8 +46,10 @@ def _user_name(uid: int) -> str:
 
 
 class GpuWatch:
-    def __init__(self, manager: "LeaseManager") -> None:
-        self.m = manager
+    def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, events: EventBus, clock: Clock,
+                 enforcer: Enforcement) -> None:
+        self.state, self.ops, self.policy, self.events, self.clock, self.enforcer = \
+            state, ops, policy, events, clock, enforcer
         self.unleased: dict[str, dict[int, dict[str, Any]]] = {}  # gpu -> pid -> report
         self.kills_total = 0
         self._reported: set[tuple[str, int, int]] = set()  # (gpu, pid, start ticks)
@@ -44,17 +58,17 @@ class GpuWatch:
 
     def check(self, now: float) -> None:
         self._escalate(now)
-        samples = self.m.samples
+        samples = self.state.samples
         if samples is self._last_samples:
             return  # nothing new from the inventory since the last tick
         self._last_samples = samples
-        enf = self.m.enforcer
+        enf = self.enforcer
         for gpu_id, s in samples.items():
-            if not s.healthy and gpu_id not in enf.unhealthy and gpu_id in self.m.gpu_by_id:
+            if not s.healthy and gpu_id not in enf.unhealthy and gpu_id in self.state.gpu_by_id:
                 enf.unhealthy[gpu_id] = "lost: NVML does not answer for it"
                 log.error("GPU %s unhealthy: %s", gpu_id, enf.unhealthy[gpu_id])
-                self.m.events.publish("gpu_unhealthy", gpu_id=gpu_id, message=enf.unhealthy[gpu_id], user=None)
-                self.m._emit_gpus()
+                self.events.publish("gpu_unhealthy", gpu_id=gpu_id, message=enf.unhealthy[gpu_id], user=None)
+                self.ops.gpus_changed()
         owners = self._owners()
         for gpu_id, s in samples.items():
             current: dict[int, dict[str, Any]] = {}
@@ -64,17 +78,17 @@ class GpuWatch:
                 current[pid] = self._report(gpu_id, pid, memory)
             if current or gpu_id in self.unleased:
                 self.unleased[gpu_id] = current
-        check_memory_caps(self.m, samples)  # shared leases over their memory cap are stopped
+        self._check_memory_caps(samples)  # shared leases over their memory cap are stopped
 
     def _owners(self) -> dict[str, list[int]]:
         """Per GPU, the pids whose process trees may use it: leases holding it, leases draining from it."""
         out: dict[str, list[int]] = {}
-        for lease in self.m.leases.values():
+        for lease in self.state.leases.values():
             if lease.state in HOLDING:
-                pids = list(self.m.enforcer.proc_ticks.get(lease.id, {})) or list(lease.pids)
+                pids = list(self.enforcer.proc_ticks.get(lease.id, {})) or list(lease.pids)
                 for d in lease.devices:
                     out.setdefault(d, []).extend(pids)
-        for gpu_id, (_lease, _since, pids) in self.m.enforcer.draining.items():
+        for gpu_id, (_lease, _since, pids) in self.enforcer.draining.items():
             out.setdefault(gpu_id, []).extend(pids)
         return out
 
@@ -87,11 +101,11 @@ class GpuWatch:
         if key in self._reported:
             return report
         self._reported.add(key)
-        gpu = self.m.gpu_by_id.get(gpu_id)
-        action = self.m.policy.unleased_process_action
+        gpu = self.state.gpu_by_id.get(gpu_id)
+        action = self.policy.unleased_process_action
         log.warning("GPU %s (index %s) has unleased process %d of user %s using %d MiB: %s", gpu_id,
                     gpu.index if gpu else "?", pid, user, memory >> 20, action)
-        self.m.events.publish(
+        self.events.publish(
             "gpu.unleased_process", gpu_id=gpu_id, pid=pid, process_user=user, memory=memory, action=action,
             user=user if info is not None else "", index=gpu.index if gpu else None,
             message=f"Process {pid} of {user} uses GPU {gpu.index if gpu else gpu_id} without a lease",
@@ -114,7 +128,7 @@ class GpuWatch:
             return
         self.kills_total += 1
         log.info("GPU %s: SIGTERM to unleased process %d of uid %d", gpu_id, pid, info.uid)
-        self._kills[pid] = (self.m.clock.now() + self.m.policy.term_timeout, info.start_ticks)
+        self._kills[pid] = (self.clock.now() + self.policy.term_timeout, info.start_ticks)
 
     def _escalate(self, now: float) -> None:
         for pid, (deadline, ticks) in list(self._kills.items()):
@@ -142,3 +156,30 @@ class GpuWatch:
             else:
                 out.append({"user": r["user"]})
         return out
+
+    def _check_memory_caps(self, samples: dict[str, GpuSample]) -> None:
+        """Revoke shared leases whose processes (and their descendants) use more GPU memory than their cap."""
+        if not self.policy.enforce_memory_caps:
+            return
+        for lease in list(self.state.leases.values()):
+            if lease.state not in HOLDING or not lease.request.shared or not lease.devices:
+                continue
+            gpu = self.state.gpu_by_id.get(lease.devices[0])
+            s = samples.get(lease.devices[0])
+            if gpu is None or s is None or not s.pids:
+                continue
+            roots = list(self.enforcer.proc_ticks.get(lease.id, {})) or list(lease.pids)
+            if not roots:
+                continue
+            used = {pid: mem for pid, mem in s.pids.items() if any(is_descendant(pid, r) for r in roots)}
+            cap = memory_cap(lease.request, gpu.memory_total)
+            total = sum(used.values())
+            if cap and total > cap:
+                message = (f"Lease {lease.id} used {total >> 20} MiB of GPU memory, over its cap of {cap >> 20} "
+                           "MiB (a shared GPU: ask for more with --mem, or use a whole GPU); its processes were "
+                           "stopped")
+                log.info("Lease %s of %s over its memory cap on GPU %s: %s", lease.id, lease.user, gpu.index,
+                         ", ".join(f"pid {p}: {b >> 20} MiB" for p, b in sorted(used.items())))
+                self.events.publish("lease.memory_exceeded", lease_id=lease.id, user=lease.user, gpu_id=gpu.id,
+                                    memory=total, limit=cap, message=message)
+                self.ops.end(lease, LeaseState.REVOKED, OVER_MEMORY_CAP)

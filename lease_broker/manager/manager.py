@@ -1,21 +1,29 @@
-"""LeaseManager: the broker's state. Owns leases in memory, persists every change, and
-drives the scheduler and the enforcer. Pure of network code: the API calls into it.
+"""LeaseManager: the one owner of lease state.
+
+It holds the live leases (:class:`~lease_broker.manager.state.LiveState`) and changes them through one path,
+:meth:`LeaseManager.commit`, which updates the GPU table, writes the store in one transaction and publishes the
+events together. The parts it is composed of (enforcement, reservations, preemption, quotas, usage, policy
+administration, views) read the live state and ask for changes through :class:`~lease_broker.manager.ports.LeaseOps`;
+the inventory is told of grants and ends and answers with changes (``inventory.changes``) that the manager
+applies. Pure of network code: the API calls into it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import os
 import secrets
+import time
 from typing import Any
 
 from ..core.clock import Clock
 from ..core.errors import BadRequest, Forbidden, InvalidTransition, NotFound
-from ..core.gputable import GpuTable
+from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity, hash_secret
 from ..core.lease import (
     HOLDING,
+    Change,
     Lease,
     LeaseState,
     check_transition,
@@ -24,21 +32,32 @@ from ..core.lease import (
     parse_request,
     reason_slug,
 )
-from ..core.scheduler import Pending, Slot, SlotIndex, schedule
-from ..host.procs import is_descendant, proc_info
-from ..inventory import GPU, GpuSample, Inventory
+from ..core.scheduler import schedule
+from ..inventory import Inventory
+from ..inventory.changes import GpusChanged, GpusClosed, InventoryChange, LeaseFailed, LeasePlaced
 from ..policy.lease_policy import LeasePolicy
+from ..store.admin_store import AdminStore
 from ..store.lease_store import Store
 from .enforcer import Enforcer
 from .events import EventBus
-from .policy_admin import PolicyMixin
-from .restore import RestoreMixin
-from .views import ManagerViews, may_see
+from .planning import Planning
+from .policy_admin import PolicyAdmin
+from .preemption import Preemption
+from .quotas import Quotas
+from .reservations import Reservations
+from .restore import load_live
+from .state import LiveState
+from .usage import Usage
+from .views import Views, may_see
 
 log = logging.getLogger("lease_broker")
 
+#: The GPU summary (one entry per GPU) is published at most this often: at once after a quiet spell, then
+#: on the trailing edge. A busy broker would otherwise rebuild it twice per grant and release.
+GPU_EVENT_INTERVAL = 0.1
 
-class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
+
+class LeaseManager:
     def __init__(
         self,
         store: Store,
@@ -52,54 +71,88 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         self.policy = policy
         self.clock = clock or Clock()
         self.events = events or EventBus(clock=self.clock.now)
-        self.leases: dict[str, Lease] = {}  # every non-terminal lease
-        self.gpus: list[GPU] = inventory.discover()
-        self.gpu_by_id = {g.id: g for g in self.gpus}
-        self.table = GpuTable(self.gpus)  # kept current by every change below (sync)
-        self._verify_table = os.environ.get("GPULEASE_VERIFY_TABLE") == "1"  # the test suite checks it each pass
-        self.samples: dict[str, GpuSample] = {}
-        self.planned: dict[str, float] = {}
-        self.order: list[str] = []
-        self._waiters: dict[str, list[asyncio.Future[Lease]]] = {}
-        self._seq = store.next_seq()
-        self.enforcer = Enforcer(self)
+        self.state = LiveState(inventory.discover())
+        self.admin_store = AdminStore(store)
+        now = self.clock.now()
+        # the parts, each given what it reads and the narrow LeaseOps (this object) for what it may ask
+        self.enforcer = Enforcer(self.state, self, policy, inventory, store, self.events, self.clock)
+        self.reservations = Reservations(self.state, self, policy, self.admin_store, self.events, self.enforcer, now)
+        self.preemption = Preemption(self.state, self, policy, self.admin_store, self.events, self.enforcer,
+                                     self.reservations)
+        self.quotas = Quotas(self.state, policy, self.admin_store, self.reservations, self.enforcer)
+        self.usage = Usage(self.state, policy, self.admin_store)
+        self.planning = Planning(self.state, policy, inventory, self.quotas, self.usage, self.reservations)
+        self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
+        self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption)
         self.transitions_total: dict[tuple[str, str], int] = {}
-        self._gpus_dirty, self._gpus_sent = False, -1e9  # see ManagerViews._emit_gpus
+        self._seq = store.next_seq()
+        self._waiters: dict[str, list[asyncio.Future[Lease]]] = {}
+        self._gpus_dirty, self._gpus_sent = False, -1e9
         self._pass_queued = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        inventory.wake = self._wake_inventory
+
+    # ------------------------------------------------------------------ what parts and the API read
+    @property
+    def leases(self) -> dict[str, Lease]:
+        return self.state.leases
+
+    @property
+    def gpus(self) -> list[GPU]:
+        return self.state.gpus
+
+    @property
+    def gpu_by_id(self) -> dict[str, GPU]:
+        return self.state.gpu_by_id
+
+    @property
+    def samples(self) -> dict[str, GpuSample]:
+        return self.state.samples
+
+    @samples.setter
+    def samples(self, samples: dict[str, GpuSample]) -> None:
+        self.state.samples = samples
+
+    @property
+    def order(self) -> list[str]:
+        return self.state.order
+
+    @property
+    def planned(self) -> dict[str, float]:
+        return self.state.planned
+
+    def held_by_user(self) -> dict[str, float]:
+        return self.state.held_by_user()
+
+    def view(self, lease: Lease, who: Identity | None = None) -> dict[str, Any]:
+        """The one lease view every answer and event uses (``who`` None: the owner's, as events carry)."""
+        return self.views.lease(lease, who, self.clock.now())
+
+    def summary(self) -> dict[str, Any]:
+        return self.views.summary(self.clock.now())
+
+    def gpu_views(self, who: Identity) -> list[dict[str, Any]]:
+        return self.views.gpus(who, self.clock.now())
 
     # ------------------------------------------------------------------ requests
     def request(self, who: Identity, body: Any) -> tuple[Lease, str]:
         req = parse_request(body)
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
-        self.check_placeable(req)
-        largest = self.table.largest_memory
+        self.quotas.check_placeable(req)
+        largest = self.state.table.largest_memory
         if req.mem_bytes and largest and req.mem_bytes > largest:
             raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "
                              f"{largest / 2**30:.4g}G", reason="too_large")
         now = self.clock.now()
         secret = secrets.token_urlsafe(24)
-        lease = Lease(
-            id="l-" + secrets.token_hex(6),
-            user=who.user,
-            uid=who.uid,
-            request=req,
-            state=LeaseState.QUEUED,
-            created_at=now,
-            seq=self._seq,
-            reason="requested",
-            duration_seconds=duration,
-            idle_timeout_seconds=idle,
-            last_heartbeat=now,
-            last_activity=now,
-            secret_hash=hash_secret(secret),
-        )
+        lease = Lease(id="l-" + secrets.token_hex(6), user=who.user, uid=who.uid, request=req,
+                      state=LeaseState.QUEUED, created_at=now, seq=self._seq, reason="requested",
+                      duration_seconds=duration, idle_timeout_seconds=idle, last_heartbeat=now, last_activity=now,
+                      secret_hash=hash_secret(secret))
         self._seq += 1
         queue_was_empty = not self.order and not self._pass_queued
-        self.store.insert(lease, now)
-        self.leases[lease.id] = lease
-        self.table.sync(lease)
+        self.commit(lease, Change(state=LeaseState.QUEUED))
         log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
-        self._emit(lease, None)
         if queue_was_empty:
             self.schedule()  # answered granted at once when it fits
         else:
@@ -129,10 +182,8 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
     def release(self, lease_id: str, who: Identity, reason: str = "released") -> Lease:
         lease = self.lookup(lease_id, who)
         if lease.state.terminal:
-            raise InvalidTransition(
-                f"Lease {lease_id} already ended ({lease.state.value}: {lease.reason})",
-                extra={"state": lease.state.value},
-            )
+            raise InvalidTransition(f"Lease {lease_id} already ended ({lease.state.value}: {lease.reason})",
+                                    extra={"state": lease.state.value})
         if lease.user != who.user and who.admin:
             return self.revoke(lease_id, who, reason or "admin")
         if lease.state == LeaseState.QUEUED:
@@ -160,53 +211,32 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         if lease.state == LeaseState.QUEUED:
             seconds = min(seconds, float(self.policy.limit(lease.user, "max_duration_seconds")))
             self.policy.check_day_quota(lease.user, lease.gpu_count, seconds)
-            lease.duration_seconds = seconds
-            self.store.update(lease)
+            self.commit(lease, Change(duration_seconds=seconds))
             return lease
         assert lease.granted_at is not None
         new_expiry = now + seconds
-        self.check_renewal(lease, new_expiry)  # policy: max_duration_seconds, reservations, daily quota
-        lease.expires_at = max(lease.expires_at or 0.0, new_expiry)
-        lease.duration_seconds = lease.expires_at - lease.granted_at
+        self.quotas.check_renewal(lease, new_expiry, now)  # max_duration_seconds, reservations, daily quota
+        expires = max(lease.expires_at or 0.0, new_expiry)
         self.enforcer.clear_warning(lease.id, "expiry")
-        self.table.sync(lease)
-        self.store.update(lease)
-        self.events.publish("lease", lease=self.view(lease), change="renewed", user=lease.user)
+        self.commit(lease, Change(expires_at=expires, duration_seconds=expires - lease.granted_at, event="renewed"))
+        self.inventory.on_renew(lease, now)
         return lease
 
     def heartbeat(self, lease_id: str, who: Identity, active: bool = False) -> Lease:
         lease = self._own_live(lease_id, who)
         now = self.clock.now()
-        lease.last_heartbeat = now
+        self.commit(lease, Change(last_heartbeat=now))
         if active and lease.state in HOLDING:
             self.activity(lease, now)
         return lease
-
-    def activity(self, lease: Lease, now: float) -> None:
-        lease.last_activity = now
-        self.enforcer.clear_warning(lease.id, "idle")
-        if lease.state in (LeaseState.GRANTED, LeaseState.IDLE):
-            self.transition(lease, LeaseState.ACTIVE, "activity")
 
     def attach(self, lease_id: str, who: Identity, pid: Any) -> Lease:
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
             raise BadRequest(f"Invalid pid {pid!r}: give the process id of a process you own")
         lease = self._own_live(lease_id, who)
-        if lease.state.terminal:
-            raise InvalidTransition(f"Lease {lease_id} has ended")
-        info = proc_info(pid)
-        if info is None:
-            raise BadRequest(f"No process {pid} is running on the broker's host")
-        if who.uid < 0:
-            raise Forbidden("Processes can be attached only over the broker's Unix socket")
-        if info.uid != who.uid:
-            raise Forbidden(f"Process {pid} does not belong to you")
-        if who.pid and not is_descendant(pid, who.pid):
-            raise Forbidden(f"Process {pid} is not the caller or one of its descendants")
-        if pid not in lease.pids:
-            lease.pids.append(pid)
+        info = self.enforcer.check_attach(pid, who)
         self.enforcer.remember(lease.id, {pid: info.start_ticks})
-        self.store.attach(lease.id, pid, info.start_ticks)
+        self.commit(lease, Change(attach=(pid, info.start_ticks)))
         return lease
 
     def _own_live(self, lease_id: str, who: Identity) -> Lease:
@@ -214,9 +244,8 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
         if lease.user != who.user and not who.admin:
             raise Forbidden(f"Lease {lease_id!r} belongs to another user")
         if lease.state.terminal:
-            raise InvalidTransition(
-                f"Lease {lease_id} has ended ({lease.state.value}: {lease.reason})", extra={"state": lease.state.value}
-            )
+            raise InvalidTransition(f"Lease {lease_id} has ended ({lease.state.value}: {lease.reason})",
+                                    extra={"state": lease.state.value})
         return lease
 
     async def wait(self, lease: Lease, timeout: float) -> Lease:
@@ -236,75 +265,76 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
                 if not waiters:
                     self._waiters.pop(lease.id, None)
 
-    # ------------------------------------------------------------------ transitions
-    def transition(self, lease: Lease, target: LeaseState, reason: str) -> None:
-        check_transition(lease.id, lease.state, target)
-        before = lease.state
+    # ------------------------------------------------------------------ the one mutation path
+    def commit(self, lease: Lease, change: Change) -> None:
+        """Apply one change of a lease: check the transition, write the store (one transaction; the lease is
+        left as it was if that fails), update the GPU table, publish the event, wake waiters."""
         now = self.clock.now()
-        lease.state = target
-        lease.reason = reason
-        if target.terminal:
-            lease.ended_at = now
+        new = lease.id not in self.state.leases and change.state == LeaseState.QUEUED and not lease.ended_at
+        before = None if new else lease.state
+        if before is not None and change.state is not None:
+            check_transition(lease.id, before, change.state)
+        saved = dataclasses.replace(lease)
+        change.apply(lease, now)
         try:
-            self.store.transition(lease, before, now)
+            if new:
+                self.store.insert(lease, now)
+            elif change.state is not None:
+                self.store.transition(lease, before, now)
+            elif change.stored:
+                self.store.update(lease)
+            if change.attach is not None:
+                self.store.attach(lease.id, *change.attach)
         except Exception:
-            lease.state, lease.ended_at = before, None
+            lease.__dict__.update(saved.__dict__)
             raise
-        key = (before.value, target.value)
-        self.transitions_total[key] = self.transitions_total.get(key, 0) + 1
-        if target.terminal:
-            self.leases.pop(lease.id, None)
-        self.table.sync(lease)
-        level = logging.DEBUG if {before, target} <= {LeaseState.ACTIVE, LeaseState.IDLE} else logging.INFO
-        log.log(level, "Lease %s %s -> %s (%s), user %s", lease.id, before.value, target.value, reason, lease.user)
-        self._emit(lease, before)
-        if before == LeaseState.QUEUED:
+        if new:
+            self.state.leases[lease.id] = lease
+        elif lease.state.terminal:
+            self.state.leases.pop(lease.id, None)
+        if change.moves:
+            self.state.table.sync(lease)
+        if change.state is not None and before is not None:
+            self._log_transition(lease, before)
+        if change.state is not None or change.event:
+            self.events.publish("lease", lease=self.view(lease), user=lease.user,
+                                change=change.event or lease.state.value,
+                                previous=before.value if before is not None else None)
+        if before == LeaseState.QUEUED and change.state is not None:
             for fut in self._waiters.pop(lease.id, []):
                 if not fut.done():
                     fut.set_result(lease)
+        if change.devices is not None or (before in HOLDING) != (lease.state in HOLDING):
+            self.gpus_changed()
 
+    def _log_transition(self, lease: Lease, before: LeaseState) -> None:
+        key = (before.value, lease.state.value)
+        self.transitions_total[key] = self.transitions_total.get(key, 0) + 1
+        level = logging.DEBUG if {before, lease.state} <= {LeaseState.ACTIVE, LeaseState.IDLE} else logging.INFO
+        log.log(level, "Lease %s %s -> %s (%s), user %s", lease.id, before.value, lease.state.value, lease.reason,
+                lease.user)
+
+    # ------------------------------------------------------------------ LeaseOps: what parts may ask
     def end(self, lease: Lease, target: LeaseState, reason: str) -> None:
         """End a lease: persist, stop its processes, drain its GPUs, hand them on."""
         held = lease.state in HOLDING
-        self.transition(lease, target, reason)
+        self.commit(lease, Change(state=target, reason=reason))
         if held:
             self.enforcer.stop(lease)
-        self.inventory.forget(lease.id)
-        self.planned.pop(lease.id, None)
+        self.inventory.on_end(lease)
+        self.state.planned.pop(lease.id, None)
         if held:
             self.schedule_soon()
-            self._emit_gpus()
 
-    def _emit(self, lease: Lease, before: LeaseState | None) -> None:
-        self.events.publish(
-            "lease",
-            lease=self.view(lease),
-            change=lease.state.value,
-            previous=before.value if before else None,
-            user=lease.user,
-        )
+    def mark_idle(self, lease: Lease) -> None:
+        self.commit(lease, Change(state=LeaseState.IDLE, reason="no_activity"))
 
-    def set_gpus(self, gpus: list[GPU]) -> None:
-        """The inventory changed (an engine's node joined or left); leases on GPUs that left are the caller's."""
-        self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}
-        self.table.set_gpus(gpus, self.leases.values())
-
-    # ------------------------------------------------------------------ scheduling
-    def slot_index(self) -> SlotIndex:
-        """The GPUs for a pass: the table's index, with draining GPUs free after term_timeout, unhealthy never."""
-        return self.table.slot_index(self.enforcer.draining, self.enforcer.unhealthy,
-                                     self.clock.now() + self.policy.term_timeout)
-
-    def slots(self) -> list[Slot]:
-        """Every GPU as a pass sees it, to read (change them through ``slot_index().edit``)."""
-        return self.slot_index().all()
-
-    def held_by_user(self) -> dict[str, float]:
-        return dict(self.table.held_by_user)
-
-    def pending(self) -> list[Pending]:
-        return [Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds)
-                for lease in self.table.queued.values()]
+    def activity(self, lease: Lease, now: float) -> None:
+        self.enforcer.clear_warning(lease.id, "idle")
+        if lease.state in (LeaseState.GRANTED, LeaseState.IDLE):
+            self.commit(lease, Change(state=LeaseState.ACTIVE, reason="activity", last_activity=now))
+        else:
+            self.commit(lease, Change(last_activity=now))
 
     def schedule_soon(self) -> None:
         """A pass at the next event-loop iteration, one for every change of this one; at once without a loop.
@@ -322,6 +352,61 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
             self._pass_queued = True
             loop.call_soon(self._queued_pass)
 
+    def gpus_changed(self) -> None:
+        """Publish the GPU summary: at once, or at most every GPU_EVENT_INTERVAL (the latest state wins)."""
+        if self._gpus_dirty:
+            return  # already scheduled: it will carry this change too
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (tests with a virtual clock): at once
+            self._flush_gpus()
+            return
+        self._gpus_dirty = True
+        loop.call_later(max(0.0, self._gpus_sent + GPU_EVENT_INTERVAL - time.monotonic()), self._flush_gpus)
+
+    def _flush_gpus(self) -> None:
+        self._gpus_dirty, self._gpus_sent = False, time.monotonic()
+        self.events.publish("gpus", summary=self.summary())
+
+    # ------------------------------------------------------------------ the inventory
+    def set_gpus(self, gpus: list[GPU]) -> None:
+        """The inventory changed (an engine's node joined or left); leases on GPUs that left are the caller's."""
+        self.state.set_gpus(gpus)
+
+    def reconcile_inventory(self) -> None:
+        """Ask the inventory what changed in its engine and apply it."""
+        self.apply_inventory(self.inventory.reconcile(self.state.leases, self.clock.now()))
+
+    def apply_inventory(self, changes: list[InventoryChange]) -> None:
+        if not changes:
+            return
+        for change in changes:
+            if isinstance(change, GpusChanged):
+                self.set_gpus(list(change.gpus))
+            elif isinstance(change, GpusClosed):
+                self.enforcer.set_closed(dict(change.reasons))
+            elif isinstance(change, LeaseFailed):
+                lease = self.leases.get(change.lease_id)
+                if lease is not None and lease.state in HOLDING:
+                    log.error("Lease %s: %s", lease.id, change.reason)
+                    self.end(lease, LeaseState.FAILED, change.reason)
+            elif isinstance(change, LeasePlaced):
+                lease = self.leases.get(change.lease_id)
+                if lease is not None and lease.state in HOLDING:
+                    self.commit(lease, Change(devices=change.devices, event="placed"))
+        self.schedule_soon()
+        self.gpus_changed()
+
+    def _wake_inventory(self) -> None:
+        """The inventory has news (from any thread): reconcile on the event loop soon."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self.reconcile_inventory)
+            except RuntimeError:
+                pass
+
+    # ------------------------------------------------------------------ scheduling
     def _queued_pass(self) -> None:
         self._pass_queued = False
         try:
@@ -330,35 +415,73 @@ class LeaseManager(RestoreMixin, PolicyMixin, ManagerViews):
             log.exception("Scheduling pass failed")
 
     def schedule(self) -> int:
-        if self._verify_table:
-            diffs = self.table.verify(self.leases.values(), self.gpus)
-            assert not diffs, "GPU table out of step with the leases: " + "; ".join(diffs[:5])
-        pending = self.pending()
-        if not pending and not self.preempting and not self.growable():
-            self.order, self.planned = [], {}
-            return 0
+        pending = self.planning.pending()
         now = self.clock.now()
-        decision = schedule(pending, self.slot_index(), self.table.held_by_user, now=now,
-                            **self.schedule_options(now, pending))
+        if not pending and not self.preemption.warnings and not self.planning.growable(now):
+            self.state.order, self.state.planned = [], {}
+            return 0
+        decision = schedule(pending, self.enforcer.slot_index(now), self.state.table.held_by_user, now=now,
+                            **self.planning.options(now, pending))
         granted = {g.lease_id for g in decision.grants}
-        self.order = [lid for lid in decision.order if lid not in granted]
-        self.planned = decision.planned_start
+        self.state.order = [lid for lid in decision.order if lid not in granted]
+        self.state.planned = decision.planned_start
         for grant in decision.grants:
             lease = self.leases[grant.lease_id]
-            lease.devices = list(grant.gpu_ids)
-            lease.node = grant.node
-            lease.granted_at = now
-            lease.expires_at = now + lease.duration_seconds
-            lease.last_activity = now
-            lease.last_heartbeat = max(lease.last_heartbeat, now)
-            self.transition(lease, LeaseState.GRANTED, "granted")
-        self.after_schedule(decision)
+            self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,
+                                      node=grant.node, granted_at=now, expires_at=now + lease.duration_seconds,
+                                      last_activity=now, last_heartbeat=max(lease.last_heartbeat, now)))
+            self.inventory.on_grant(lease, now)
+        for grant in decision.grown:
+            lease = self.leases[grant.lease_id]
+            devices = (*lease.devices, *grant.gpu_ids)
+            nodes = sorted({self.gpu_by_id[d].node for d in devices})
+            self.commit(lease, Change(devices=devices, node=nodes[0] if len(nodes) == 1 else ",".join(nodes),
+                                      event="grown"))
+            log.info("Lease %s of %s grew to %d GPUs (of %d): +%s", lease.id, lease.user, len(devices),
+                     lease.request.max_gpus, ",".join(grant.gpu_ids))
+        self.preemption.run(now)
         return len(decision.grants)
 
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Enforce time: expiry, heartbeats, idleness, warnings, kills, drains. Then schedule."""
-        self.inventory.reconcile(self)
+        if self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        self.reconcile_inventory()
         self.enforcer.tick(self.clock.now())
         self.schedule()
 
+    def restore(self) -> dict[str, int]:
+        """Reload every non-terminal lease and reconcile it with what is running now."""
+        now = self.clock.now()
+        live = load_live(self.store, now)
+        for lease, alive in live:
+            self.state.leases[lease.id] = lease
+            self.enforcer.remember(lease.id, alive)
+        self.state.table.rebuild(self.leases.values())
+        counts = {"queued": 0, "holding": 0, "failed": 0}
+        for lease, _ in live:
+            if lease.state not in HOLDING:
+                counts["queued"] += 1
+            elif any(d not in self.gpu_by_id for d in lease.devices):
+                self.end(lease, LeaseState.FAILED, "device_gone")
+                counts["failed"] += 1
+            else:
+                counts["holding"] += 1
+        self.enforcer.restore_drains(self.store.drains())
+        owner: dict[str, str] = {}
+        for lease in list(self.state.holding()):
+            if not lease.request.shared:
+                twice = next((d for d in lease.devices if d in owner), None)
+                if twice is not None:
+                    log.error("GPU %s is held by leases %s and %s: revoking the later one", twice, owner[twice],
+                              lease.id)
+                    self.end(lease, LeaseState.FAILED, "double_grant")
+                    continue
+                owner.update((d, lease.id) for d in lease.devices)
+        self.reconcile_inventory()  # an engine's inventory (Ray) finds its placements first
+        self.schedule()
+        return counts

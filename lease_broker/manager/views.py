@@ -1,25 +1,23 @@
-"""JSON views of leases and GPUs, with what a caller may see of other users' leases."""
+"""JSON views of leases, GPUs and the queue, with what a viewer may see of other users' leases.
+
+The view functions are pure (the lease, the viewer, the time and what the broker knows are passed in);
+:class:`Views` gathers what they need from the live state and the parts."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..core.clock import Clock
 from ..core.fractional import shared_env
+from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
-from ..inventory import GPU, GpuSample, Inventory
-
-if TYPE_CHECKING:
-    from ..core.gputable import GpuTable
-    from .enforcer import Enforcer
-    from .events import EventBus
-
-#: The GPU summary (one entry per GPU) is published at most this often: at once after a quiet spell, then
-#: on the trailing edge. A busy broker would otherwise rebuild it twice per grant and release.
-GPU_EVENT_INTERVAL = 0.1
+from ..host.procs import mps_running
+from ..inventory import Inventory
+from ..policy.lease_policy import LeasePolicy
+from .enforcer import Enforcer
+from .preemption import Preemption
+from .reservations import Reservations
+from .state import LiveState
 
 
 def may_see(lease: Lease, who: Identity) -> bool:
@@ -111,53 +109,29 @@ def gpu_view(
     }
 
 
-class ManagerViews:
-    """The JSON views the API serves, computed from a LeaseManager's state (mixed into it)."""
+class Views:
+    """The JSON views the API serves and the events carry. ``viewer`` None: the owner's view (events)."""
 
-    leases: dict[str, Lease]
-    gpus: list[GPU]
-    gpu_by_id: dict[str, GPU]
-    samples: dict[str, GpuSample]
-    planned: dict[str, float]
-    order: list[str]
-    inventory: Inventory
-    clock: Clock
-    enforcer: "Enforcer"
-    events: "EventBus"
-    table: "GpuTable"
-    _gpus_dirty: bool
-    _gpus_sent: float
+    def __init__(self, state: LiveState, policy: LeasePolicy, inventory: Inventory, enforcer: Enforcer,
+                 reservations: Reservations, preemption: Preemption) -> None:
+        self.state, self.policy, self.inventory, self.enforcer = state, policy, inventory, enforcer
+        self.reservations, self.preemption = reservations, preemption
 
-    def _emit_gpus(self) -> None:
-        """Publish the GPU summary: at once, or at most every GPU_EVENT_INTERVAL (the latest state wins)."""
-        if self._gpus_dirty:
-            return  # already scheduled: it will carry this change too
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (tests with a virtual clock): at once
-            self._flush_gpus()
-            return
-        self._gpus_dirty = True
-        loop.call_later(max(0.0, self._gpus_sent + GPU_EVENT_INTERVAL - time.monotonic()), self._flush_gpus)
-
-    def _flush_gpus(self) -> None:
-        self._gpus_dirty, self._gpus_sent = False, time.monotonic()
-        self.events.publish("gpus", summary=self.summary())
-
-    def view(self, lease: Lease) -> dict[str, Any]:
+    def lease(self, lease: Lease, viewer: Identity | None, now: float) -> dict[str, Any]:
+        state = self.state
         position = estimate = idle_deadline = None
         if lease.state == LeaseState.QUEUED:
             try:
-                position = self.order.index(lease.id) + 1
+                position = state.order.index(lease.id) + 1
             except ValueError:
                 position = None
-            estimate = self.planned.get(lease.id)
+            estimate = state.planned.get(lease.id)
         elif lease.state in HOLDING and lease.idle_timeout_seconds:
             idle_deadline = lease.last_activity + lease.idle_timeout_seconds
-        devices = [self.gpu_by_id[d] for d in lease.devices if d in self.gpu_by_id]
-        return lease_view(
+        devices = [state.gpu_by_id[d] for d in lease.devices if d in state.gpu_by_id]
+        out = lease_view(
             lease,
-            self.gpu_by_id,
+            state.gpu_by_id,
             simulated=self.inventory.simulated,
             visible_devices=self.inventory.visible_devices(devices) if devices else "",
             position=position,
@@ -166,66 +140,82 @@ class ManagerViews:
             placement=self.inventory.placement(lease),
             mps=lease.request.shared and self.mps_enabled(),
         )
+        out.update(self.preemption.view(lease, admin=viewer is not None and viewer.admin))
+        return out
 
     def mps_enabled(self) -> bool:
         """Whether shared leases get CUDA MPS limits (the policy says so, or 'auto' and MPS runs)."""
-        return False
+        mode = self.policy.shared_mps
+        return mode == "on" or (mode == "auto" and mps_running())
 
-    def gpu_states(self) -> dict[str, tuple[str, list[Lease]]]:
+    def gpu_states(self, now: float) -> dict[str, tuple[str, list[Lease]]]:
         out: dict[str, tuple[str, list[Lease]]] = {}
-        holders = self.table.holders
-        for g in self.gpus:
+        holders = self.state.table.holders
+        enf = self.enforcer
+        reserved = self.reservations.reserved_now(now) if self.reservations.live else {}
+        for g in self.state.gpus:
             hs = sorted(holders.get(g.id, {}).values(), key=lambda lease: lease.seq)
-            if g.id in self.enforcer.unhealthy:
+            if g.id in enf.unhealthy:
                 state = "unhealthy"
             elif hs:
                 state = "shared" if any(h.request.shared for h in hs) else "leased"
-            elif g.id in self.enforcer.draining:
+            elif g.id in enf.draining:
                 state = "draining"
             else:
-                state = "free"
+                state = "reserved" if g.id in reserved else "free"
             out[g.id] = (state, hs)
         return out
 
-    def gpu_views(self, who: Identity) -> list[dict[str, Any]]:
-        states = self.gpu_states()
-        views = [gpu_view(g, states[g.id][0], self.samples.get(g.id), states[g.id][1], who) for g in self.gpus]
+    def gpus(self, viewer: Identity, now: float) -> list[dict[str, Any]]:
+        """GPU views; a reserved GPU says for whom (``reservation``: id, user or group, end)."""
+        states = self.gpu_states(now)
+        samples = self.state.samples
+        views = [gpu_view(g, states[g.id][0], samples.get(g.id), states[g.id][1], viewer) for g in self.state.gpus]
+        reserved = self.reservations.reserved_now(now) if self.reservations.live else {}
+        by_id = {r.id: r for r in self.reservations.live}
         for v in views:
-            v["unleased_processes"] = self.enforcer.watch.view(v["id"], who)
+            v["unleased_processes"] = self.enforcer.watch.view(v["id"], viewer)
+            r = by_id.get(reserved.get(v["id"], ""))
+            if r is not None:
+                v["reservation"] = {"id": r.id, "user": r.user, "group": r.group, "end": r.end}
         return views
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, now: float) -> dict[str, Any]:
         """GPU counts by state (as gpu_states() says), from the GPU table: it runs often."""
-        counts = self.table.counts(self.enforcer.draining, self.enforcer.unhealthy)
+        state, enf = self.state, self.enforcer
+        counts = state.table.counts(enf.draining, enf.unhealthy)
+        n = sum(1 for st, _ in self.gpu_states(now).values() if st == "reserved") if self.reservations.live else 0
+        if n:
+            counts["free"] = counts.get("free", 0) - n
+            counts["reserved"] = n
         return {
-            "total": len(self.gpus),
+            "total": len(state.gpus),
             "free": counts.get("free", 0),
             "states": counts,
-            "queued": len(self.table.queued),
+            "queued": len(state.table.queued),
             "simulated": self.inventory.simulated,
         }
 
-    def queue_views(self, who: Identity) -> list[dict[str, Any]]:
-        now = self.clock.now()
+    def queue(self, viewer: Identity, now: float) -> list[dict[str, Any]]:
         out = []
-        for pos, lease_id in enumerate(self.order, 1):
-            lease = self.leases.get(lease_id)
+        leases = self.state.leases
+        for pos, lease_id in enumerate(self.state.order, 1):
+            lease = leases.get(lease_id)
             if lease is None or lease.state != LeaseState.QUEUED:
                 continue
-            mine = may_see(lease, who)
+            mine = may_see(lease, viewer)
             out.append(
                 {
                     "position": pos,
                     "lease_id": lease.id if mine else None,
                     "user": lease.user,
-                    "mine": lease.user == who.user,
+                    "mine": lease.user == viewer.user,
                     "min_gpus": lease.request.min_gpus,
                     "max_gpus": lease.request.max_gpus,
                     "fraction": lease.request.fraction,
                     "priority": lease.request.priority,
                     "waited_seconds": max(0.0, now - lease.created_at),
-                    "estimated_start": self.planned.get(lease.id),
+                    "estimated_start": self.state.planned.get(lease.id),
                 }
             )
         return out
-

@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 from .metrics import compare, jain, percentile, summarize
-from .sim import Cluster, Run, load_policy, replay
+from .run import replay
+from .sim import Cluster, Run, load_policy
 from .trace import Burst, Session, Trace, TraceError, load_bursts, load_sessions, load_trace, tile
 
 __all__ = [

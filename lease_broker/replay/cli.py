@@ -13,7 +13,8 @@ from ..core.errors import LeaseError
 from ..core.lease import parse_duration
 from .metrics import compare, summarize
 from .report import describe, plot
-from .sim import Cluster, load_policy, replay
+from .run import replay
+from .sim import Cluster, load_policy
 from .trace import TraceError, load_trace, tile
 
 

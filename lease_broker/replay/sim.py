@@ -23,10 +23,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import logging
 import math
 import re
-import time
 from typing import Any
 
 from traitlets.config import Config
@@ -39,7 +37,7 @@ from ..inventory.simulated import SimulatedInventory
 from ..manager.manager import LeaseManager
 from ..policy.lease_policy import LeasePolicy
 from ..store.lease_store import Store
-from .trace import Burst, Trace, TraceError, check_fits
+from .trace import Burst, Trace, TraceError
 
 OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
 LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
@@ -336,32 +334,3 @@ class _LeaseSim(_Sim):
         self.collect()
         if lease.state in HOLDING:
             raise RuntimeError(f"lease {lease.id} not revoked at its idle deadline ({lease.state.value})")
-
-
-def replay(
-    trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0
-) -> Run:
-    """Replay ``trace`` on ``cluster`` under ``policy``: ``mode`` is ``lease`` or ``session``."""
-    policy = policy or LeasePolicy()
-    check_fits(trace, cluster.total)
-    if not trace.bursts:
-        raise TraceError("the trace has no bursts")
-    t0 = time.perf_counter()
-    logger = logging.getLogger("lease_broker")
-    level = logger.level
-    logger.setLevel(logging.WARNING)  # one INFO line per transition would dominate the run time
-    try:
-        sim: _Sim
-        if mode == "lease":
-            sim = _LeaseSim(trace, cluster, policy, idle)
-        elif mode == "session":
-            from .baseline import SessionSim
-
-            sim = SessionSim(trace, cluster, policy)
-        else:
-            raise ValueError(f"Unknown replay mode {mode!r}: use 'lease' or 'session'")
-        sim.loop()
-    finally:
-        logger.setLevel(level)
-    sim.run.wall_seconds = time.perf_counter() - t0
-    return sim.run

@@ -234,13 +234,6 @@ class Store:
         """Persist fields that are not a state change (renewal, attached processes)."""
         self.transition(lease, None, 0.0)
 
-    def touch(self, lease_id: str, last_heartbeat: float, last_activity: float) -> None:
-        with self._tx() as db:
-            db.execute(
-                "UPDATE leases SET last_heartbeat=?, last_activity=? WHERE id=?",
-                (last_heartbeat, last_activity, lease_id),
-            )
-
     def live(self) -> list[Lease]:
         """Every lease that is not terminal, in arrival order."""
         rows = self.db.execute(_LIVE).fetchall()

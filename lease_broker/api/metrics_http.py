@@ -5,12 +5,11 @@ Importing prometheus_client costs ~15 ms of every broker start; a broker nobody 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tornado import web
 
-if TYPE_CHECKING:
-    from ..manager.manager import LeaseManager
+from ..manager.manager import LeaseManager
 
 
 class MetricsHandler(web.RequestHandler):

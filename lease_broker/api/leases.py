@@ -1,0 +1,85 @@
+"""Leases: request, look up, wait, release, renew, heartbeat, attach processes, revoke, history."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tornado import web
+
+from ..core.errors import BadRequest
+from ..core.lease import LeaseState, parse_duration
+from .base import LEASE_ID, MAX_WAIT, BaseHandler, Routes
+
+
+class LeasesHandler(BaseHandler):
+    def get(self) -> None:
+        everyone = self.get_query_argument("all", "0") in ("1", "true", "yes")
+        try:
+            ended = int(self.get_query_argument("ended", "0"))
+        except ValueError:
+            raise BadRequest(f"Invalid ended={self.get_query_argument('ended')!r}: give a count") from None
+        leases = self.manager.list_leases(self.who, everyone=everyone, include_ended=max(0, min(ended, 1000)))
+        self.reply({"leases": [self.view(lease) for lease in leases]})
+
+    async def post(self) -> None:
+        body = self.body()
+        wait = parse_duration(body.pop("wait_seconds", 0), "wait_seconds")
+        lease, secret = self.manager.request(self.who, body)
+        if lease.state == LeaseState.QUEUED:
+            await asyncio.sleep(0)  # the pass it queued runs first (one pass for all requests of the iteration)
+        if wait and lease.state == LeaseState.QUEUED:
+            lease = await self.manager.wait(lease, min(wait, MAX_WAIT))
+        view = self.view(lease)
+        view["secret"] = secret
+        self.reply(view, 202 if lease.state == LeaseState.QUEUED else 201)
+
+
+class LeaseHandler(BaseHandler):
+    async def get(self, lease_id: str) -> None:
+        lease = self.manager.lookup(lease_id, self.who)
+        wait = self.query_float("wait", 0.0)
+        if wait and lease.state == LeaseState.QUEUED:
+            lease = await self.manager.wait(lease, min(wait, MAX_WAIT))
+        self.reply(self.view(lease))
+
+    def delete(self, lease_id: str) -> None:
+        reason = self.get_query_argument("reason", "released")
+        lease = self.manager.release(lease_id, self.who, reason)
+        self.reply(self.view(lease))
+
+
+class LeaseActionHandler(BaseHandler):
+    def post(self, lease_id: str, action: str) -> None:
+        m = self.manager
+        body = self.body()
+        if action == "release":
+            lease = m.release(lease_id, self.who, str(body.get("reason", "released")))
+        elif action == "renew":
+            lease = m.renew(lease_id, self.who, body.get("duration_seconds"))
+        elif action == "heartbeat":
+            active = body.get("active", False)
+            if not isinstance(active, bool):
+                raise BadRequest(f"Invalid active {active!r}: must be true or false")
+            lease = m.heartbeat(lease_id, self.who, active)
+        elif action == "processes":
+            lease = m.attach(lease_id, self.who, body.get("pid"))
+        elif action == "revoke":
+            lease = m.revoke(lease_id, self.who, str(body.get("reason", "admin")))
+        else:  # pragma: no cover - the route only matches known actions
+            raise web.HTTPError(404)
+        self.reply(self.view(lease))
+
+
+class HistoryHandler(BaseHandler):
+    def get(self, lease_id: str) -> None:
+        self.manager.lookup(lease_id, self.who)
+        self.reply({"lease_id": lease_id, "transitions": self.manager.store.history(lease_id)})
+
+
+def routes(prefix: str) -> Routes:
+    return [
+        (prefix + r"/leases", LeasesHandler),
+        (prefix + r"/leases/" + LEASE_ID, LeaseHandler),
+        (prefix + r"/leases/" + LEASE_ID + r"/(release|renew|heartbeat|processes|revoke)", LeaseActionHandler),
+        (prefix + r"/leases/" + LEASE_ID + r"/history", HistoryHandler),
+    ]

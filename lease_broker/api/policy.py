@@ -1,0 +1,44 @@
+"""The policy: read it, change it without dropping leases (admins), and its audit trail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.errors import BadRequest
+from ..manager.policy_admin import policy_values
+from .base import BaseHandler, Routes
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple, set)) else v)
+            for k, v in values.items()}
+
+
+class PolicyHandler(BaseHandler):
+    def get(self) -> None:
+        self.reply({"policy": _jsonable(policy_values(self.manager.policy))})
+
+    def put(self) -> None:
+        self.require_admin("change the policy")
+        body = self.body()
+        changes = body.get("policy", body) if set(body) <= {"policy"} else body
+        if not isinstance(changes, dict) or not changes:
+            raise BadRequest("Give the policy fields to change as a JSON object, e.g. {\"max_gpus_per_user\": 4}")
+        diff = self.manager.policy_admin.update(self.who.user, changes, source="api")
+        self.reply({"changed": _jsonable(diff), "policy": _jsonable(policy_values(self.manager.policy))})
+
+
+class PolicyAuditHandler(BaseHandler):
+    def get(self) -> None:
+        self.require_admin("read the policy audit")
+        raw = self.get_query_argument("limit", "100")
+        if not raw.isdigit() or int(raw) < 1:
+            raise BadRequest(f"Invalid limit={raw!r}: give a whole number >= 1")
+        self.reply({"audit": self.manager.admin_store.audit_log(min(int(raw), 10_000))})
+
+
+def routes(prefix: str) -> Routes:
+    return [
+        (prefix + r"/policy", PolicyHandler),
+        (prefix + r"/policy/audit", PolicyAuditHandler),
+    ]

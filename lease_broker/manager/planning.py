@@ -1,0 +1,49 @@
+"""The inputs of a scheduling pass beyond the queue and the GPUs: the policy, fair-share usage, daily budgets,
+reservation windows and the incremental leases that may grow."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..core.lease import Lease
+from ..core.scheduler import Growing, Pending
+from ..policy.lease_policy import LeasePolicy
+from ..policy.limits import DAY
+from .quotas import Quotas
+from .reservations import Reservations
+from .state import LiveState
+from .usage import Usage
+
+
+class Placements(Protocol):
+    def placement(self, lease: Lease) -> dict[str, Any] | None: ...
+
+
+class Planning:
+    def __init__(self, state: LiveState, policy: LeasePolicy, placements: Placements, quotas: Quotas, usage: Usage,
+                 reservations: Reservations) -> None:
+        self.state, self.policy, self.placements = state, policy, placements
+        self.quotas, self.usage, self.reservations = quotas, usage, reservations
+
+    def pending(self) -> list[Pending]:
+        return [Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds)
+                for lease in self.state.table.queued.values()]
+
+    def growable(self, now: float) -> list[Lease]:
+        """Holding incremental leases below their max_gpus (placed by the broker itself, not by an engine)."""
+        return [lease for lease in self.state.table.growable.values()
+                if (lease.expires_at or 0.0) > now and self.placements.placement(lease) is None]
+
+    def options(self, now: float, pending: list[Pending]) -> dict[str, Any]:
+        """Keyword arguments of scheduler.schedule() beyond pending, slots and held: the policy and its inputs."""
+        weights = self.policy.weight
+        cutoff = now - DAY
+        growing = [  # an added GPU is charged (daily quota) as the store counts it: from the grant to the end
+            Growing(Pending(lease.id, lease.user, lease.request, lease.seq,
+                            (lease.expires_at or now) - max(lease.granted_at or now, cutoff)),
+                    tuple(lease.devices), lease.expires_at or now)
+            for lease in self.growable(now)]
+        users = {p.user for p in pending} | {g.pending.user for g in growing}
+        usage = {u: v / weights(u) for u, v in self.usage.fairshare(now, users).items()}
+        return {"policy": self.policy.scheduler_policy(), "usage": usage, "budget": self.quotas.day_budget(now, users),
+                "reservations": self.reservations.windows(now), "growing": growing}

@@ -1,0 +1,25 @@
+"""The narrow interface every part of the broker is given instead of the manager: what it may ask of the lease
+owner. The owner (``LeaseManager``) implements it; parts read :class:`~lease_broker.manager.state.LiveState`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..core.lease import Lease, LeaseState
+
+
+class LeaseOps(Protocol):
+    def end(self, lease: Lease, target: LeaseState, reason: str) -> None:
+        """End a lease (persisted and published), stop its processes and hand its GPUs on."""
+
+    def mark_idle(self, lease: Lease) -> None:
+        """A holding lease showed no activity for ``idle_mark_seconds``."""
+
+    def activity(self, lease: Lease, now: float) -> None:
+        """A holding lease did work at ``now``."""
+
+    def schedule_soon(self) -> None:
+        """GPUs or policy changed: run a scheduling pass soon (once for all changes of this loop iteration)."""
+
+    def gpus_changed(self) -> None:
+        """The GPUs' states changed: publish the GPU summary (throttled)."""

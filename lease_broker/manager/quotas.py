@@ -1,0 +1,96 @@
+"""Quotas and limits checked against what leases hold: daily GPU-hours budgets (rolling 24 h), renewals
+(max duration, reservations, daily quota) and gangs that no node can hold."""
+
+from __future__ import annotations
+
+import time
+
+from ..core.errors import BadRequest, Forbidden
+from ..core.lease import HOLDING, Lease, LeaseRequest
+from ..core.reservation_windows import window_shortfall
+from ..policy.lease_policy import LeasePolicy
+from ..policy.limits import DAY
+from ..store.admin_store import AdminStore
+from .enforcer import Enforcer
+from .reservations import Reservations
+from .state import LiveState
+
+
+class Quotas:
+    def __init__(self, state: LiveState, policy: LeasePolicy, store: AdminStore, reservations: Reservations,
+                 enforcer: Enforcer) -> None:
+        self.state, self.policy, self.store = state, policy, store
+        self.reservations, self.enforcer = reservations, enforcer
+
+    def day_budget(self, now: float, users: set[str]) -> dict[str, float] | None:
+        """GPU-seconds each user (and "@group") may still be granted in the rolling 24 h, or None (no quotas)."""
+        pol = self.policy
+        if not pol.quotas_configured():
+            return None
+        cutoff = now - DAY
+        leases = self.state.leases
+        charged: dict[str, float] = {}
+        for lid, user, gpus, start, ended, expires in self.store.held_intervals(cutoff):
+            live = leases.get(lid)
+            if live is not None and live.state in HOLDING:
+                end = max(live.expires_at or now, now)  # running: its whole time limit is committed
+            else:  # ended: the time it held, up to its time limit (stopping it late is not the user's use)
+                end = min(e for e in (ended, expires, now) if e is not None)
+            secs = gpus * max(0.0, end - max(start, cutoff))
+            for key in (user, *("@" + g for g in pol.groups_of(user))):
+                charged[key] = charged.get(key, 0.0) + secs
+        budget: dict[str, float] = {}
+        for user in users:
+            for key, seconds in pol.day_quotas(user).items():
+                budget[key] = seconds - charged.get(key, 0.0)
+        return budget
+
+    def check_placeable(self, req: LeaseRequest) -> None:
+        """Refuse a gang that no node can ever hold (it would wait forever)."""
+        if req.shared or req.locality != "node":
+            return
+        biggest = self.state.table.biggest_node
+        if req.min_gpus > biggest:
+            raise BadRequest(
+                f"Request for {req.min_gpus} GPUs on one node can never be granted: the largest node has {biggest}; "
+                "ask for fewer, or let the GPUs span nodes (locality 'any', `gpulease request --spread`)",
+                reason="too_large",
+            )
+
+    def check_renewal(self, lease: Lease, new_expiry: float, now: float) -> None:
+        """Refuse a renewal past max_duration_seconds from the grant (reason ``max_duration``), into GPUs a
+        reservation needs (``reserved``), or over the holder's (or a group's) daily GPU-hours (``quota``)."""
+        max_duration = float(self.policy.limit(lease.user, "max_duration_seconds"))
+        limit = (lease.granted_at or now) + max_duration
+        if new_expiry > limit + 1e-6:
+            raise Forbidden(
+                f"Renewal refused: lease {lease.id} may not hold GPUs past {max_duration:g} s from its grant "
+                f"(max_duration_seconds); at most {max(0.0, limit - now):.0f} s more",
+                reason="max_duration", extra={"max_expires_at": limit},
+            )
+        wins = self.reservations.windows(now) if self.reservations.live else []
+        if wins:  # not into a reservation that would then lack GPUs at its start (unless a member holds it)
+            ix = self.enforcer.slot_index(now)  # a fork: the renewal is tried on its own copies of the lease's slots
+            before = window_shortfall(ix.all(), wins, now)
+            for d in lease.devices:
+                if d in ix.by_id:
+                    s = ix.edit(d)
+                    s.free_at = max(s.free_at, new_expiry)
+            after = window_shortfall(ix.all(), wins, now)
+            w = next((w for w in sorted(wins, key=lambda w: w.start) if after[w.id] > before[w.id]), None)
+            if w is not None:
+                raise Forbidden(
+                    f"Renewal refused: {w.gpus} GPU(s) are reserved from "
+                    f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(w.start))} (reservation {w.id}) and this "
+                    f"lease's GPUs are needed for it; renew until then at most ({max(0.0, w.start - now):.0f} s "
+                    "from now)",
+                    reason="reserved", extra={"max_expires_at": w.start},
+                )
+        extra = lease.gpu_count * max(0.0, new_expiry - max(lease.expires_at or now, now))
+        for key, left in (self.day_budget(now, {lease.user}) or {}).items():
+            if extra > left + 1e-6:
+                raise Forbidden(
+                    f"Renewal refused: {extra / 3600:.2f} more GPU-hours exceed what is left today of the daily "
+                    f"quota of {key.lstrip('@')} ({max(0.0, left) / 3600:.2f} GPU-hours; gpu_hours_per_day)",
+                    reason="quota",
+                )

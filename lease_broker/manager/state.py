@@ -1,0 +1,36 @@
+"""What the lease owner holds, for the parts of the broker to read.
+
+The :class:`~lease_broker.manager.manager.LeaseManager` is the only writer: it changes these through its one
+mutation path (``commit``). Parts (enforcement, preemption, reservations, quotas, views) read them and ask the
+owner for changes through :class:`~lease_broker.manager.ports.LeaseOps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..core.gpu import GPU, GpuSample
+from ..core.gputable import GpuTable
+from ..core.lease import HOLDING, Lease
+
+
+class LiveState:
+    def __init__(self, gpus: list[GPU]) -> None:
+        self.leases: dict[str, Lease] = {}  # every non-terminal lease
+        self.gpus: list[GPU] = gpus
+        self.gpu_by_id: dict[str, GPU] = {g.id: g for g in gpus}
+        self.table = GpuTable(gpus)  # kept current by every change of a lease (the owner's commit)
+        self.samples: dict[str, GpuSample] = {}  # the inventory's latest sample, by GPU id
+        self.order: list[str] = []  # queued lease ids in the last pass's order (positions)
+        self.planned: dict[str, float] = {}  # queued lease id -> planned start (the last pass's estimate)
+
+    def set_gpus(self, gpus: list[GPU]) -> None:
+        self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}
+        self.table.set_gpus(gpus, self.leases.values())
+
+    def holding(self) -> Iterator[Lease]:
+        """Live leases that hold GPUs (granted, active or idle)."""
+        return (lease for lease in self.leases.values() if lease.state in HOLDING)
+
+    def held_by_user(self) -> dict[str, float]:
+        return dict(self.table.held_by_user)
