@@ -138,8 +138,9 @@ async def create_leases(path: str, count: int, concurrency: int = 8) -> list[str
 
 def fill_store(db: str, gpus: int, nodes: int, count: int) -> None:
     """Write ``count`` granted 1-GPU leases into a stopped broker's store, as the broker would persist them."""
-    from lease_broker.core.identity import hash_secret, user_name
+    from lease_broker.core.identity import hash_secret
     from lease_broker.core.lease import Lease, LeaseRequest, LeaseState
+    from lease_broker.host.users import user_name
     from lease_broker.inventory.simulated import SimulatedInventory
     from lease_broker.store.lease_store import Store
 

@@ -7,7 +7,8 @@ import struct
 from collections.abc import Callable
 
 from ..core.errors import Unauthorized
-from ..core.identity import Identity, hash_secret, user_groups, user_name
+from ..core.identity import Identity, hash_secret
+from ..host.users import unix_groups, user_name
 from ..store.lease_store import Store
 
 _UCRED = struct.Struct("3i")
@@ -61,7 +62,7 @@ def admin_check(users: set[str], groups: set[str], root_is_admin: bool) -> Calla
         if not groups:
             return False
         if name not in cache:
-            cache[name] = bool(user_groups(name) & groups)
+            cache[name] = bool(set(unix_groups(name)) & groups)
         return cache[name]
 
     return is_admin

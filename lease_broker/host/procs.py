@@ -8,7 +8,6 @@ the one recorded at attach (a recycled pid is a different process).
 from __future__ import annotations
 
 import os
-import signal
 from dataclasses import dataclass
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -125,9 +124,6 @@ def signal_group(pid: int, start_ticks: int, sig: int) -> bool:
         return False
     except PermissionError:
         return False
-
-
-TERM_SIGNALS = (signal.SIGTERM, signal.SIGKILL)
 
 
 def same_process(pid: int, start_ticks: int) -> bool:

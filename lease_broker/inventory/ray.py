@@ -134,13 +134,13 @@ class RayInventory(Inventory):
                 extra: dict[str, Any] = {"_node_ip_address": self.node_ip} if self.node_ip else {}
                 ray.init(address=address, namespace=self.namespace, log_to_driver=False,
                          logging_level=logging.WARNING, configure_logging=False, **extra)
+                self._owns_ray = True
         except Exception as e:
             raise LeaseError(
                 f"Cannot connect to the Ray cluster at {address!r} ({type(e).__name__}: {e}): "
                 "set --RayInventory.address (or $RAY_ADDRESS) to a running cluster's address",
                 reason="startup",
             ) from None
-            self._owns_ray = True
         self._ray = ray
         self.gcs_address = ray.get_runtime_context().gcs_address
         return ray

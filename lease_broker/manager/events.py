@@ -19,15 +19,12 @@ class EventBus:
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.backlog: deque[dict[str, Any]] = deque(maxlen=backlog)
         self._clock = clock
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
         event = {"schema": SCHEMA, "seq": next(self._seq), "type": type_, **fields}
         if self._clock is not None and "time" not in event:
             event["time"] = self._clock()
         self.backlog.append(event)
-        for listener in self.listeners:
-            listener(event)
         for q in list(self._subscribers):
             if q.qsize() < 10_000:
                 q.put_nowait(event)

@@ -1,6 +1,6 @@
 """Per-user and per-group limits, quotas, fair-share weights, preemption and reservations policy.
 
-A mixin of :class:`lease_broker.policy.lease_policy.LeasePolicy` (configured as ``LeasePolicy.<name>``). Every limit has
+The base class of :class:`~lease_broker.policy.lease_policy.LeasePolicy` (configured as ``LeasePolicy.<name>``). Every limit has
 a default trait; ``user_limits`` and ``group_limits`` override it per user and per group (a user in several
 groups gets the most generous of them; a user's own entry wins over any group's). ``group_quotas`` caps what
 all members of a group hold together.
@@ -8,17 +8,14 @@ all members of a group hold together.
 
 from __future__ import annotations
 
-import functools
-import grp
 import math
-import os
-import pwd
 from typing import Any
 
 from traitlets import All, Bool, Dict, Float, Integer, List, Unicode, observe, validate
 from traitlets.config import Configurable
 
 from ..core.errors import Forbidden
+from ..host.users import unix_groups
 
 #: Limits that ``user_limits`` / ``group_limits`` may set, with the trait that gives their default.
 LIMIT_KEYS: dict[str, str] = {
@@ -33,23 +30,6 @@ LIMIT_KEYS: dict[str, str] = {
 }
 QUOTA_KEYS = ("max_gpus", "gpu_hours_per_day")
 DAY = 86400.0
-
-
-@functools.lru_cache(maxsize=4096)
-def unix_groups(user: str) -> tuple[str, ...]:
-    """The user's Unix groups (primary and supplementary); () for a user the host does not know."""
-    try:
-        pw = pwd.getpwnam(user)
-        gids = os.getgrouplist(user, pw.pw_gid)
-    except (KeyError, OSError):
-        return ()
-    names = []
-    for gid in gids:
-        try:
-            names.append(grp.getgrgid(gid).gr_name)
-        except KeyError:
-            continue
-    return tuple(sorted(set(names)))
 
 
 def _check_limits(owner: str, value: dict[str, Any], keys: tuple[str, ...] | None = None) -> dict[str, Any]:

@@ -78,14 +78,14 @@ class AdminStore:
 
     # --- reservations --------------------------------------------------------------------------
     def add_reservation(self, r: Reservation) -> None:
-        with self.store._tx() as db:
+        with self.store.transaction() as db:
             db.execute(
                 "INSERT INTO reservations VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (r.id, r.user, r.group, r.gpus, r.start, r.end, r.created_by, r.created_at, r.note, r.cancelled_at),
             )
 
     def cancel_reservation(self, rid: str, at: float) -> None:
-        with self.store._tx() as db:
+        with self.store.transaction() as db:
             db.execute("UPDATE reservations SET cancelled_at=? WHERE id=?", (at, rid))
 
     def reservations(self, since: float = 0.0, include_cancelled: bool = False) -> list[Reservation]:
@@ -98,7 +98,7 @@ class AdminStore:
 
     # --- policy audit --------------------------------------------------------------------------
     def audit(self, at: float, who: str, source: str, diff: dict[str, Any]) -> None:
-        with self.store._tx() as db:
+        with self.store.transaction() as db:
             db.execute(
                 "INSERT INTO policy_audit (at, who, source, diff) VALUES (?,?,?,?)",
                 (at, who, source, json.dumps(diff, sort_keys=True, default=str)),
@@ -110,7 +110,7 @@ class AdminStore:
 
     # --- preemptions ---------------------------------------------------------------------------
     def preempting(self, lease_id: str, by_lease: str, by_user: str, by_class: str, at: float, deadline: float) -> None:
-        with self.store._tx() as db:
+        with self.store.transaction() as db:
             db.execute("REPLACE INTO preemptions VALUES (?,?,?,?,?,?)", (lease_id, by_lease, by_user, by_class, at, deadline))
 
     def preemption(self, lease_id: str) -> dict[str, Any] | None:
@@ -120,7 +120,7 @@ class AdminStore:
         return {"lease_id": r[0], "by_lease": r[1], "by_user": r[2], "by_class": r[3], "warned_at": r[4], "deadline": r[5]}
 
     def drop_preemption(self, lease_id: str) -> None:
-        with self.store._tx() as db:
+        with self.store.transaction() as db:
             db.execute("DELETE FROM preemptions WHERE lease_id=?", (lease_id,))
 
     # --- history -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The only module that touches SQL: leases, their transitions, drains and tokens.
+"""Leases, their transitions, drains and tokens in SQLite (the store package is the only place that touches SQL).
 
 SQLite in WAL mode; every lease transition is one transaction that updates the
 lease and appends to its history. ``:memory:`` for unit tests.
@@ -201,7 +201,7 @@ class Store:
             ) from e
         self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
 
-    def _tx(self) -> "_Tx":
+    def transaction(self) -> "_Tx":
         return _Tx(self)
 
     def next_seq(self) -> int:
@@ -210,7 +210,7 @@ class Store:
 
     # --- leases ------------------------------------------------------------------------------
     def insert(self, lease: Lease, at: float) -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute(f"INSERT INTO leases ({_COLUMNS}) VALUES ({','.join('?' * 19)})", _row(lease))
             db.execute(
                 "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)",
@@ -219,7 +219,7 @@ class Store:
 
     def transition(self, lease: Lease, from_state: LeaseState | None, at: float) -> None:
         """Persist a lease's new state (and every other field) with a history row."""
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute(
                 f"REPLACE INTO leases ({_COLUMNS}) VALUES ({','.join('?' * 19)})",
                 _row(lease),
@@ -271,7 +271,7 @@ class Store:
 
     # --- processes ---------------------------------------------------------------------------
     def attach(self, lease_id: str, pid: int, start_ticks: int) -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute("REPLACE INTO processes VALUES (?,?,?)", (lease_id, pid, start_ticks))
 
     def processes(self) -> dict[str, dict[int, int]]:
@@ -281,18 +281,18 @@ class Store:
         return out
 
     def detach_all(self, lease_id: str) -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute("DELETE FROM processes WHERE lease_id=?", (lease_id,))
 
     # --- drains ------------------------------------------------------------------------------
     def drain(self, gpu_ids: list[str], lease_id: str, pids: list[int], since: float) -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.executemany(
                 "REPLACE INTO drains VALUES (?,?,?,?)", [(g, lease_id, since, json.dumps(pids)) for g in gpu_ids]
             )
 
     def drained(self, gpu_id: str) -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute("DELETE FROM drains WHERE gpu_id=?", (gpu_id,))
 
     def drains(self) -> dict[str, tuple[str, float, list[int]]]:
@@ -303,7 +303,7 @@ class Store:
 
     # --- tokens ------------------------------------------------------------------------------
     def add_token(self, token_hash: str, user: str, admin: bool, at: float, note: str = "") -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute("INSERT INTO tokens VALUES (?,?,?,?,?)", (token_hash, user, int(admin), at, note))
 
     def token_user(self, token_hash: str) -> tuple[str, bool] | None:
@@ -311,7 +311,7 @@ class Store:
         return (r[0], bool(r[1])) if r else None
 
     def revoke_tokens(self, user: str) -> int:
-        with self._tx() as db:
+        with self.transaction() as db:
             return db.execute("DELETE FROM tokens WHERE user=?", (user,)).rowcount
 
     def close(self) -> None:
