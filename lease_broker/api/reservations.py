@@ -17,7 +17,7 @@ class ReservationsHandler(BaseHandler):
         m = self.manager
         now = m.clock.now()
         r = m.reservations.create(self.who, self.body(), now)
-        m.schedule()
+        m.replan()
         m.reservations.publish(r, "created", now)
         self.reply(m.reservations.view(r, now), 201)
 
@@ -31,7 +31,7 @@ class ReservationHandler(BaseHandler):
         m = self.manager
         now = m.clock.now()
         r = m.reservations.cancel(self.who, rid, now)
-        m.schedule()
+        m.replan()
         m.reservations.publish(r, "cancelled", now)
         self.reply(m.reservations.view(r, now))
 

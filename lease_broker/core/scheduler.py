@@ -98,10 +98,12 @@ def schedule(
     budget: Mapping[str, float] | None = None,
     reservations: Sequence[Window] = (),
     growing: Sequence[Growing] = (),
+    ordered: bool = False,
 ) -> Decision:
     """``usage``: fair-share usage per user (already divided by weight); ``budget``: GPU-seconds each user or
     ``"@group"`` may still be granted today (absent = unlimited); ``reservations``: advance reservations;
-    ``growing``: holding incremental leases, which grow last (never into GPUs that waiting requests plan on)."""
+    ``growing``: holding incremental leases, which grow last (never into GPUs that waiting requests plan on);
+    ``ordered``: ``pending`` is already in queue order (the broker's queue keeps it so)."""
     # a fork copies only the slots the pass changes: the caller's slots and index are left untouched
     ix = slots.fork() if isinstance(slots, SlotIndex) else SlotIndex(slots).fork()
     state = _State(ix, dict(held_by_user), policy, now)
@@ -112,7 +114,7 @@ def schedule(
     for gpu_id, w in state.windows.place(reservations).items():
         decision.reserved[gpu_id] = w.id
     blocked = 0
-    for p in queue_order(pending, policy, usage):
+    for p in (pending if ordered else queue_order(pending, policy, usage)):
         decision.order.append(p.lease_id)
         req = p.request
         if not req.shared and state.idle_count < req.min_gpus and blocked >= policy.backfill_depth:

@@ -32,7 +32,7 @@ from ..core.lease import (
     parse_request,
     reason_slug,
 )
-from ..core.scheduler import schedule
+from ..core.scheduler import Pending, schedule
 from ..inventory import Inventory
 from ..inventory.changes import GpusChanged, GpusClosed, InventoryChange, LeaseFailed, LeasePlaced
 from ..policy.lease_policy import LeasePolicy
@@ -71,7 +71,7 @@ class LeaseManager:
         self.policy = policy
         self.clock = clock or Clock()
         self.events = events or EventBus(clock=self.clock.now)
-        self.state = LiveState(inventory.discover())
+        self.state = LiveState(inventory.discover(), lambda: policy.priority_classes)
         self.admin_store = AdminStore(store)
         now = self.clock.now()
         # the parts, each given what it reads and the narrow LeaseOps (this object) for what it may ask
@@ -89,6 +89,9 @@ class LeaseManager:
         self._waiters: dict[str, list[asyncio.Future[Lease]]] = {}
         self._gpus_dirty, self._gpus_sent = False, -1e9
         self._pass_queued = False
+        self._arrived: list[str] = []  # queued since the last pass: the next event pass looks at them
+        self._last_full = -1e18  # when the last full pass ran
+        self._full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
         self._loop: asyncio.AbstractEventLoop | None = None
         inventory.wake = self._wake_inventory
 
@@ -115,6 +118,7 @@ class LeaseManager:
 
     @property
     def order(self) -> list[str]:
+        """Queued lease ids in scheduling order."""
         return self.state.order
 
     @property
@@ -150,13 +154,13 @@ class LeaseManager:
                       duration_seconds=duration, idle_timeout_seconds=idle, last_heartbeat=now, last_activity=now,
                       secret_hash=hash_secret(secret))
         self._seq += 1
-        queue_was_empty = not self.order and not self._pass_queued
+        queue_was_empty = not len(self.state.queue) and not self._pass_queued
         self.commit(lease, Change(state=LeaseState.QUEUED))
         log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
+        self._arrived.append(lease.id)
         if queue_was_empty:
             self.schedule()  # answered granted at once when it fits
         else:
-            self.order.append(lease.id)  # its position until the pass (which orders by priority and fair share)
             self.schedule_soon()  # behind others: one pass for every request of this loop iteration
         return lease, secret
 
@@ -290,8 +294,12 @@ class LeaseManager:
             raise
         if new:
             self.state.leases[lease.id] = lease
+            self._enqueue(lease, self.planning.scores(now, {lease.user})[lease.user])
         elif lease.state.terminal:
             self.state.leases.pop(lease.id, None)
+        if before == LeaseState.QUEUED and change.state is not None:
+            self.state.queue.remove(lease.id)
+            self.state.planned.pop(lease.id, None)
         if change.moves:
             self.state.table.sync(lease)
         if change.state is not None and before is not None:
@@ -306,6 +314,9 @@ class LeaseManager:
                     fut.set_result(lease)
         if change.devices is not None or (before in HOLDING) != (lease.state in HOLDING):
             self.gpus_changed()
+
+    def _enqueue(self, lease: Lease, score: float) -> None:
+        self.state.queue.add(Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds), score)
 
     def _log_transition(self, lease: Lease, before: LeaseState) -> None:
         key = (before.value, lease.state.value)
@@ -322,7 +333,6 @@ class LeaseManager:
         if held:
             self.enforcer.stop(lease)
         self.inventory.on_end(lease)
-        self.state.planned.pop(lease.id, None)
         if held:
             self.schedule_soon()
 
@@ -352,6 +362,11 @@ class LeaseManager:
             self._pass_queued = True
             loop.call_soon(self._queued_pass)
 
+    def replan(self) -> None:
+        """The policy, the reservations or the GPUs changed: the next pass (soon) is a full one."""
+        self._full_due = True
+        self.schedule_soon()
+
     def gpus_changed(self) -> None:
         """Publish the GPU summary: at once, or at most every GPU_EVENT_INTERVAL (the latest state wins)."""
         if self._gpus_dirty:
@@ -372,6 +387,7 @@ class LeaseManager:
     def set_gpus(self, gpus: list[GPU]) -> None:
         """The inventory changed (an engine's node joined or left); leases on GPUs that left are the caller's."""
         self.state.set_gpus(gpus)
+        self._full_due = True
 
     def reconcile_inventory(self) -> None:
         """Ask the inventory what changed in its engine and apply it."""
@@ -415,16 +431,40 @@ class LeaseManager:
             log.exception("Scheduling pass failed")
 
     def schedule(self) -> int:
-        pending = self.planning.pending()
+        """One scheduling pass; returns the number of grants.
+
+        The event pass (a request, a release, a tick) looks at the head of the queue (``queue_depth``), the first
+        request of each shape further back and the requests that arrived since the last pass: its cost does not
+        grow with the queue. The full pass looks at every request with fresh fair-share scores and estimates
+        every start; it runs every ``full_pass_seconds`` and after ``replan()``.
+        """
         now = self.clock.now()
-        if not pending and not self.preemption.warnings and not self.planning.growable(now):
-            self.state.order, self.state.planned = [], {}
+        q = self.state.queue
+        full = self._full_due or now - self._last_full >= self.policy.full_pass_seconds
+        growable = self.planning.growable(now)
+        arrived, self._arrived = self._arrived, []
+        if not len(q) and not self.preemption.warnings and not growable:
+            self.state.planned = {}
+            if full:
+                self._last_full, self._full_due = now, False
             return 0
+        if full:
+            scores = self.planning.scores(now, {p.user for p in q})
+            q.rescore(scores.__getitem__)
+            pending = list(q)
+        else:
+            depth = self.policy.queue_depth
+            pending = q.head(depth)
+            if len(q) > depth:
+                late = [p for lid in arrived if (p := q.get(lid)) is not None and (q.position(lid) or 0) > depth]
+                pending += q.in_order(q.shape_heads(depth) + late)
         decision = schedule(pending, self.enforcer.slot_index(now), self.state.table.held_by_user, now=now,
-                            **self.planning.options(now, pending))
-        granted = {g.lease_id for g in decision.grants}
-        self.state.order = [lid for lid in decision.order if lid not in granted]
-        self.state.planned = decision.planned_start
+                            **self.planning.options(now, pending, growable))
+        if full:
+            self.state.planned = dict(decision.planned_start)
+            self._last_full, self._full_due = now, False
+        else:
+            self.state.planned.update(decision.planned_start)
         for grant in decision.grants:
             lease = self.leases[grant.lease_id]
             self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,
@@ -465,6 +505,7 @@ class LeaseManager:
         counts = {"queued": 0, "holding": 0, "failed": 0}
         for lease, _ in live:
             if lease.state not in HOLDING:
+                self._enqueue(lease, 0.0)  # scored by the full pass below
                 counts["queued"] += 1
             elif any(d not in self.gpu_by_id for d in lease.devices):
                 self.end(lease, LeaseState.FAILED, "device_gone")
@@ -483,5 +524,6 @@ class LeaseManager:
                     continue
                 owner.update((d, lease.id) for d in lease.devices)
         self.reconcile_inventory()  # an engine's inventory (Ray) finds its placements first
+        self._full_due = True
         self.schedule()
         return counts

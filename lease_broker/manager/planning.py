@@ -25,25 +25,28 @@ class Planning:
         self.state, self.policy, self.placements = state, policy, placements
         self.quotas, self.usage, self.reservations = quotas, usage, reservations
 
-    def pending(self) -> list[Pending]:
-        return [Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds)
-                for lease in self.state.table.queued.values()]
+    def scores(self, now: float, users: set[str]) -> dict[str, float]:
+        """Each user's fair-share score: decayed past usage divided by their weight (lower goes first)."""
+        weights = self.policy.weight
+        usage = self.usage.fairshare(now, users)
+        return {u: usage.get(u, 0.0) / weights(u) for u in users}
 
     def growable(self, now: float) -> list[Lease]:
         """Holding incremental leases below their max_gpus (placed by the broker itself, not by an engine)."""
         return [lease for lease in self.state.table.growable.values()
                 if (lease.expires_at or 0.0) > now and self.placements.placement(lease) is None]
 
-    def options(self, now: float, pending: list[Pending]) -> dict[str, Any]:
-        """Keyword arguments of scheduler.schedule() beyond pending, slots and held: the policy and its inputs."""
-        weights = self.policy.weight
+    def options(self, now: float, pending: list[Pending], growable: list[Lease]) -> dict[str, Any]:
+        """Keyword arguments of scheduler.schedule() beyond pending (in queue order), slots and held: the policy
+        and its inputs, for the users of ``pending`` and ``growable`` only."""
         cutoff = now - DAY
         growing = [  # an added GPU is charged (daily quota) as the store counts it: from the grant to the end
             Growing(Pending(lease.id, lease.user, lease.request, lease.seq,
                             (lease.expires_at or now) - max(lease.granted_at or now, cutoff)),
                     tuple(lease.devices), lease.expires_at or now)
-            for lease in self.growable(now)]
-        users = {p.user for p in pending} | {g.pending.user for g in growing}
-        usage = {u: v / weights(u) for u, v in self.usage.fairshare(now, users).items()}
-        return {"policy": self.policy.scheduler_policy(), "usage": usage, "budget": self.quotas.day_budget(now, users),
-                "reservations": self.reservations.windows(now), "growing": growing}
+            for lease in growable]
+        grower_users = {g.pending.user for g in growing}
+        users = {p.user for p in pending} | grower_users
+        return {"policy": self.policy.scheduler_policy(), "usage": self.scores(now, grower_users) if growing else {},
+                "budget": self.quotas.day_budget(now, users), "reservations": self.reservations.windows(now),
+                "growing": growing, "ordered": True}

@@ -49,7 +49,7 @@ class PolicyAdmin:
         self.store.audit(self.clock.now(), who, source, diff)
         log.info("Policy changed by %s via %s: %s", who, source, ", ".join(sorted(diff)))
         self.events.publish("policy", change="updated", fields=sorted(diff), by=who if source != "api" else None)
-        self.ops.schedule_soon()
+        self.ops.replan()
         return diff
 
     def reload_file(self, config_file: str, cli_config: Any) -> dict[str, Any]:

@@ -21,5 +21,8 @@ class LeaseOps(Protocol):
     def schedule_soon(self) -> None:
         """GPUs or policy changed: run a scheduling pass soon (once for all changes of this loop iteration)."""
 
+    def replan(self) -> None:
+        """The policy or the reservations changed: the next pass (soon) is a full one over the whole queue."""
+
     def gpus_changed(self) -> None:
         """The GPUs' states changed: publish the GPU summary (throttled)."""

@@ -130,7 +130,8 @@ class Preemption:
             return
         waiting_for = {w.by_lease for w in self.warnings.values()}
         tried = 0
-        for lid in list(self.state.order):
+        for q in self.state.queue.head(self.policy.queue_depth):
+            lid = q.lease_id
             p = leases.get(lid)
             if p is None or p.state != LeaseState.QUEUED or p.request.priority not in grace_of or lid in waiting_for:
                 continue

@@ -7,26 +7,32 @@ owner for changes through :class:`~lease_broker.manager.ports.LeaseOps`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from ..core.gpu import GPU, GpuSample
 from ..core.gputable import GpuTable
 from ..core.lease import HOLDING, Lease
+from ..core.queue import Queue
 
 
 class LiveState:
-    def __init__(self, gpus: list[GPU]) -> None:
+    def __init__(self, gpus: list[GPU], ranks: Callable[[], Mapping[str, int]]) -> None:
         self.leases: dict[str, Lease] = {}  # every non-terminal lease
         self.gpus: list[GPU] = gpus
         self.gpu_by_id: dict[str, GPU] = {g.id: g for g in gpus}
         self.table = GpuTable(gpus)  # kept current by every change of a lease (the owner's commit)
         self.samples: dict[str, GpuSample] = {}  # the inventory's latest sample, by GPU id
-        self.order: list[str] = []  # queued lease ids in the last pass's order (positions)
-        self.planned: dict[str, float] = {}  # queued lease id -> planned start (the last pass's estimate)
+        self.queue = Queue(ranks)  # queued requests in scheduling order
+        self.planned: dict[str, float] = {}  # queued lease id -> planned start (the latest pass's estimate)
 
     def set_gpus(self, gpus: list[GPU]) -> None:
         self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}
         self.table.set_gpus(gpus, self.leases.values())
+
+    @property
+    def order(self) -> list[str]:
+        """Queued lease ids in scheduling order (a copy: O(queue))."""
+        return [p.lease_id for p in self.queue]
 
     def holding(self) -> Iterator[Lease]:
         """Live leases that hold GPUs (granted, active or idle)."""

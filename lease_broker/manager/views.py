@@ -121,10 +121,7 @@ class Views:
         state = self.state
         position = estimate = idle_deadline = None
         if lease.state == LeaseState.QUEUED:
-            try:
-                position = state.order.index(lease.id) + 1
-            except ValueError:
-                position = None
+            position = state.queue.position(lease.id)
             estimate = state.planned.get(lease.id)
         elif lease.state in HOLDING and lease.idle_timeout_seconds:
             idle_deadline = lease.last_activity + lease.idle_timeout_seconds
@@ -199,8 +196,8 @@ class Views:
     def queue(self, viewer: Identity, now: float) -> list[dict[str, Any]]:
         out = []
         leases = self.state.leases
-        for pos, lease_id in enumerate(self.state.order, 1):
-            lease = leases.get(lease_id)
+        for pos, p in enumerate(self.state.queue, 1):
+            lease = leases.get(p.lease_id)
             if lease is None or lease.state != LeaseState.QUEUED:
                 continue
             mine = may_see(lease, viewer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Dict, Enum, Float, Integer, Unicode, validate
+from traitlets import Dict, Enum, Float, Integer, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..core.errors import BadRequest, Forbidden
@@ -83,6 +83,21 @@ class LeasePolicy(LimitsPolicy, Configurable):
         help="How many blocked requests at the head of the queue reserve GPUs as they free up; "
         "later requests may use those GPUs only if they end first. 0 = no reservations (plain priority).",
     )
+    queue_depth = Integer(
+        100,
+        config=True,
+        help="How many requests at the head of the queue a request, release or tick looks at (with the first "
+        "request of each shape further back, and the request that just arrived), like Slurm's "
+        "default_queue_depth: the cost of an event does not grow with the queue. Example: 100.",
+    )
+    full_pass_seconds = Float(
+        10.0,
+        config=True,
+        help="Seconds between full scheduling passes over the whole queue: fresh fair-share order, start "
+        "estimates for every request, and grants for requests deeper than queue_depth (like Slurm's "
+        "bf_interval). A policy change, a reservation or a change of the GPUs brings the next one forward. "
+        "0 = a full pass on every event (costs O(queue) each). Example: 10.",
+    )
     max_shares_per_gpu = Float(
         1.0, config=True, help="Sum of the fractions of shared leases one GPU may hold. Example: 1.0."
     )
@@ -119,9 +134,16 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "warn_before_seconds",
         "idle_mark_seconds",
         "max_shares_per_gpu",
+        "full_pass_seconds",
     )
     def _valid_nonneg(self, proposal: dict[str, Any]) -> float:
         return _positive(proposal["trait"].name, proposal["value"])
+
+    @validate("queue_depth")
+    def _valid_depth(self, proposal: dict[str, Any]) -> int:
+        if proposal["value"] < 1:
+            raise TraitError(f"LeasePolicy.queue_depth={proposal['value']!r}: must be at least 1")
+        return int(proposal["value"])
 
     # ------------------------------------------------------------------------------------------
     def user_cap(self, user: str) -> float:
