@@ -11,13 +11,13 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: object) -> None:
-    from .magics import load_ipython_extension as _load
+    from .kernel.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
-    from .magics import unload_ipython_extension as _unload
+    from .kernel.magics import unload_ipython_extension as _unload
 
     _unload(ipython)
 
@@ -44,7 +44,7 @@ def preempting() -> bool:
 def __getattr__(name: str) -> object:
     # The Python API (lease, on_gpu, map) is imported lazily so `import jupyter_gpulease` stays cheap.
     if name in ("lease", "on_gpu", "map", "Lease"):
-        from . import api
+        from .kernel import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'jupyter_gpulease' has no attribute {name!r}")
