@@ -101,12 +101,16 @@ def request_fields(gpus: Any = 1, *, mem: Any = None, time: Any = None, idle: An
                    flag: str = "") -> dict[str, Any]:
     """The request body's fields for what a user gave (``%%gpu 2 --time 30m``, ``lease(2, time="30m")``).
 
-    ``None`` leaves a field out (the broker's policy decides). ``flag`` prefixes the option names in error
+    ``None`` leaves a field out (the broker's policy decides). A ``mem`` of 0 is refused: the body's 0 means
+    "none asked", so a user who typed it meant something else. ``flag`` prefixes the option names in error
     messages (``"--"`` for a command line).
     """
     fields: dict[str, Any] = {"gpus": gpus_value(gpus)}
     if mem is not None:
         fields["mem"] = parse_size(mem, f"{flag}mem")
+        if not fields["mem"]:  # in a request body 0 means "no memory asked"; given by a user, it is a mistake
+            raise RequestSyntaxError(f"Invalid {flag}mem {mem!r}: give the memory wanted on a shared GPU, like "
+                                     "'10G', or leave it out")
     if time is not None:
         fields["duration_seconds"] = parse_duration(time, f"{flag}time")
     if idle is not None:

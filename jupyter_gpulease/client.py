@@ -62,9 +62,12 @@ class LeaseView(Mapping[str, Any]):
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LeaseView:
+    def from_json(cls, data: Mapping[str, Any]) -> LeaseView:
+        """The view of the broker's JSON of a lease (a LeaseView is returned as it is)."""
+        if isinstance(data, LeaseView):
+            return data
         known = {k: v for k, v in data.items() if k in _LEASE_FIELDS}
-        return cls(**known, raw=data)
+        return cls(**known, raw=dict(data))
 
     @property
     def holding(self) -> bool:

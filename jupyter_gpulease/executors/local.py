@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..worker import transfer
@@ -50,7 +49,6 @@ class LocalWorker(Worker):
         self.pid = self.proc.pid
         self.ctrl = r
         self.ready: dict[str, Any] | None = None
-        self.started = time.monotonic()
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
         self._stderr_tail = b""

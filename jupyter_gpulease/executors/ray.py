@@ -28,7 +28,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from traitlets import Float
@@ -172,7 +171,6 @@ class RayWorker(RelayedWorker):
                     "GPULEASE_RAY_PLACEMENT_GROUP_ID": placement["placement_group_id"],
                     "GPULEASE_RAY_BUNDLE": str(bundle), "GPULEASE_RAY_BUNDLES": str(len(placement["bundles"]))})
         self.name = worker_name(lease_id or placement.get("placement_group", "gpulease-?")[len("gpulease-"):])
-        self.started = time.monotonic()
         # owned by the kernel (not detached): a kernel that dies takes its workers with it; the lease's
         # group, owned by the broker, is what outlives a broker restart
         self.actor = (

@@ -103,7 +103,6 @@ class SlurmWorker(RelayedWorker):
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
                  session: bool = False, node: int = 0, start_timeout: float = DEFAULT_START_TIMEOUT) -> None:
         self.start_timeout = start_timeout
-        self.started = time.monotonic()
         job_id = str(placement.get("job_id") or "") if placement.get("state") == "ready" else ""
         if not job_id:
             job_id = wait_for_job(placement["job_name"], self.start_timeout)

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,9 +203,10 @@ def finish_result(result: dict[str, Any], outcome: Outcome) -> None:
 class LeaseRun:
     """Runs jobs on one granted lease (one single-use worker each, or a session's worker)."""
 
-    def __init__(self, client: BrokerClient, heartbeater: Heartbeater, lease: LeaseView, artifact_root: str,
+    def __init__(self, client: BrokerClient, heartbeater: Heartbeater, lease: Mapping[str, Any], artifact_root: str,
                  queued: float = 0.0) -> None:
-        self.client, self.heartbeater, self.lease = client, heartbeater, lease
+        self.client, self.heartbeater = client, heartbeater
+        self.lease = lease = LeaseView.from_json(lease)
         self.artifacts = ArtifactDir(artifact_root, lease.id)
         self.queued = queued
         self.started_at = now_iso()
@@ -222,9 +223,10 @@ class LeaseRun:
         self._preempting: dict[str, Any] | None = None
         heartbeater.add(lease.id, active=True, on_reply=self.on_beat)
 
-    def on_beat(self, view: LeaseView) -> None:
+    def on_beat(self, reply: Mapping[str, Any]) -> None:
         """A heartbeat's answer (heartbeat thread): note a preemption warning for the cell to print; keep the
         lease's devices (an incremental lease grows)."""
+        view = LeaseView.from_json(reply)
         warning = view.preempting
         if warning and self._preempting is None:
             self._preempting = warning

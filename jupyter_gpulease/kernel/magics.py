@@ -27,7 +27,7 @@ from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
 from ..tables import fmt_duration, leases_table, queue_table, status_text, table
-from .acquire import Heartbeater, LeaseUnavailable, acquire, release_quietly
+from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import Job, LeaseRun, default_sinks, summary_line
 from .sessions import Session, Sessions
@@ -369,4 +369,4 @@ def unload_ipython_extension(ipython: Any) -> None:
         magics.shutdown()
 
 
-__all__ = ["GpuMagics", "load_ipython_extension", "release_quietly", "unload_ipython_extension"]
+__all__ = ["GpuMagics", "load_ipython_extension", "unload_ipython_extension"]
