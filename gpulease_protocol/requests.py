@@ -2,7 +2,7 @@
 
 One set of rules for both sides: the broker parses request bodies with these functions, and the
 notebook side (``%%gpu``, the Python API) checks what a user typed with the same ones before it asks,
-so the two accept exactly the same values (``tests/test_request_syntax.py`` checks it against a real
+so the two accept exactly the same values (``tests/protocol/test_request_syntax.py`` checks it against a real
 broker). Each function takes a JSON value (a number or a string) and raises ``RequestSyntaxError``, a
 ``ValueError`` quoting the bad value and naming the fix.
 """
