@@ -54,7 +54,10 @@ def _registered_command(argv: list[str]) -> int | None:
 
             found = [ep for ep in entry_points(group=COMMANDS_GROUP) if ep.name == arg]
             if not found:
-                return None  # argparse says what the commands are
+                print(f"gpulease: no command {arg!r}: use one of {', '.join(BUILTIN_COMMANDS)} (gpulease -h), or "
+                      "install the package that adds it: 'replay' comes with the lease broker (lease_broker, "
+                      "registered in the entry point group jupyter_gpulease.commands)", file=sys.stderr)
+                return 2
             command: Callable[[list[str]], int] = found[0].load()
             return command(argv[i + 1:] + [a for a in before if a == "--json"])
         before.append(arg)
