@@ -1,8 +1,13 @@
 """jupyter-gpulease: the notebook cell, not the notebook, holds the GPU.
 
-- ``%load_ext jupyter_gpulease`` registers the ``%%gpu`` and ``%gpu`` magics.
-- The Jupyter server extension (``jupyter_gpulease.serverext``) proxies the broker to the sidebar.
-- ``jupyter_gpulease.client.BrokerClient`` is the one way this package talks to the broker.
+- ``%load_ext jupyter_gpulease`` registers the ``%%gpu`` and ``%gpu`` magics (``kernel/``: magics, cell runs,
+  sessions, the Python API ``lease``, ``on_gpu``, ``map``).
+- ``executors/`` start a cell's worker where the lease's GPUs are (this host, Ray, Slurm); ``worker/`` is the
+  worker process itself (it never imports IPython).
+- ``cli/`` is the ``gpulease`` command; ``serverext/`` the Jupyter server extension that proxies the broker
+  to the sidebar.
+- ``jupyter_gpulease.client.BrokerClient`` is the one way this package talks to the broker; it never imports
+  ``lease_broker``. What both sides agree on is in ``gpulease_protocol``.
 """
 
 from __future__ import annotations

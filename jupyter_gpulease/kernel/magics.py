@@ -42,8 +42,9 @@ Line magic: %gpu status | leases [N] | queue | release ID | sessions | session s
 class GpuMagics(Magics):
     broker_url = Unicode(
         "", config=True,
-        help="Broker URL: unix:///path/to.sock or http://host:port. Empty: $GPULEASE_BROKER, else the "
-        "default socket (/run/gpulease/broker.sock, then /tmp/gpulease-<uid>/broker.sock).",
+        help="Broker URL: unix:///path/to.sock or http://host:port. Empty: $GPULEASE_BROKER, else "
+        "/run/gpulease/broker.sock when a system broker runs, else the per-user socket "
+        "($XDG_RUNTIME_DIR/gpulease/broker.sock, else /tmp/gpulease-<uid>/broker.sock).",
     )
     artifact_root = Unicode(
         "", config=True,
