@@ -6,6 +6,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .client import LeaseView
+
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -76,14 +78,13 @@ def queue_table(queue: list[dict[str, Any]]) -> str:
     return table(["POS", "USER", "LEASE", "GPUS", "PRIORITY", "WAITED", "EST. START IN"], rows)
 
 
-def leases_table(leases: list[Any]) -> str:
-    """``leases``: ``LeaseView``s (or the broker's JSON of them)."""
+def leases_table(leases: list[LeaseView]) -> str:
     now = time.time()
     rows = []
     for lease in leases:
-        left = fmt_duration(lease["expires_at"] - now) if lease.get("expires_at") and not lease["ended_at"] else "-"
-        devs = ",".join(f"{d['node']}:{d['index']}" for d in lease["devices"]) or "-"
-        rows.append([lease["id"], lease["user"], lease["state"], lease_gpus(lease), devs, left, lease["reason"]])
+        left = fmt_duration(lease.expires_at - now) if lease.expires_at and not lease.ended_at else "-"
+        devs = ",".join(f"{d['node']}:{d['index']}" for d in lease.devices) or "-"
+        rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, lease.reason])
     return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "REASON"], rows)
 
 
