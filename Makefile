@@ -40,7 +40,7 @@ system-deps:
 	fi
 
 lint: $(STAMP)
-	$(BIN)/ruff check lease_broker jupyter_gpulease benchmarks tests
+	$(BIN)/ruff check lease_broker jupyter_gpulease gpulease_protocol benchmarks tests
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -10,11 +10,11 @@ same client. A sample counts until the *engine* agrees, not just the broker:
   ``ray.available_resources()`` counts it again.
 - worker ready: from the granted lease to a ``%%gpu`` worker that has said it is ready on the lease's
   GPUs. Single host: a cold local worker process. Ray: the worker as an actor (``num_cpus=0``) in the
-  lease's placement group (what the kernel does, see ``jupyter_gpulease.ray_worker``).
+  lease's placement group (what the kernel does, see ``jupyter_gpulease.executors.ray``).
 
 Slurm: grant until the broker reports the lease's allocation granted (``salloc`` said so); release until
 ``squeue`` no longer lists the lease's job as running or completing; worker ready: ``srun --jobid --overlap``
-starting the relay and the worker in the allocation (``jupyter_gpulease.slurm_worker``).
+starting the relay and the worker in the allocation (``jupyter_gpulease.executors.slurm``).
 
 Another engine is one more :class:`Backend` subclass listed in ``BACKENDS``; each adds its rows with the
 single host as their baseline.
@@ -112,9 +112,9 @@ class SingleHost(Backend):
                    what="GPU free in the broker")
 
     def worker(self, lease: dict[str, Any]) -> Any:
-        from jupyter_gpulease.runner import Worker
+        from jupyter_gpulease.executors.local import LocalWorker
 
-        w = Worker()
+        w = LocalWorker()
         _ready(w)
         return w
 
@@ -165,10 +165,10 @@ class RayBackend(Backend):
         wait_until(lambda: self.ray.available_resources().get("GPU", 0.0) >= self.total, what="GPUs free in Ray")
 
     def worker(self, lease: dict[str, Any]) -> Any:
-        from jupyter_gpulease.ray_worker import executor_for
+        from jupyter_gpulease.client import LeaseView
+        from jupyter_gpulease.executors.ray import RayExecutor
 
-        w = executor_for(lease)
-        assert w is not None
+        w = RayExecutor().start(LeaseView.from_json(dict(lease)))
         _ready(w)
         return w
 
@@ -240,10 +240,10 @@ class SlurmBackend(Backend):
                                             check=False).strip() not in LIVE_STATES, what="Slurm job gone")
 
     def worker(self, lease: dict[str, Any]) -> Any:
-        from jupyter_gpulease.slurm_worker import executor_for
+        from jupyter_gpulease.client import LeaseView
+        from jupyter_gpulease.executors.slurm import SlurmExecutor
 
-        w = executor_for(self.lease)
-        assert w is not None
+        w = SlurmExecutor().start(LeaseView.from_json(dict(self.lease)))
         _ready(w)
         return w
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,18 @@ import fsspec
 
 
 def default_root() -> str:
+    """The artifact root when none is configured: ``$GPULEASE_ARTIFACT_ROOT``, else ``~/gpulease-artifacts``."""
     return os.environ.get("GPULEASE_ARTIFACT_ROOT") or os.path.join(os.path.expanduser("~"), "gpulease-artifacts")
 
 
-def _is_local(root: str) -> bool:
-    return "://" not in root or root.startswith("file://")
-
-
-def _local_path(root: str) -> str:
-    return root[len("file://") :] if root.startswith("file://") else root
+def local_root(root: str) -> str | None:
+    """The local directory of an artifact root (a path or file:// URL); None for remote fsspec URLs."""
+    parsed = urllib.parse.urlparse(root)
+    if parsed.scheme == "file":
+        return os.path.expanduser(parsed.path)
+    if parsed.scheme and len(parsed.scheme) > 1:  # s3://, gs://, ... (a one-letter scheme is a Windows drive)
+        return None
+    return os.path.abspath(os.path.expanduser(root))
 
 
 class ArtifactDir:
@@ -39,8 +43,9 @@ class ArtifactDir:
     def __init__(self, root: str, lease_id: str) -> None:
         self.root, self.lease_id = root, lease_id
         self.url = root.rstrip("/") + "/" + lease_id
-        if _is_local(root):
-            self.local = os.path.join(_local_path(root), lease_id)
+        local = local_root(root)
+        if local is not None:
+            self.local = os.path.join(local, lease_id)
             self._staged = False
         else:
             self.local = tempfile.mkdtemp(prefix=f"gpulease-{lease_id}-")

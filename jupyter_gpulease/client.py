@@ -2,7 +2,8 @@
 
 Synchronous and dependency-free (http.client), so it works in a kernel, a worker,
 a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
-(``unix:///path/to.sock`` or ``http://host:port``), else the default socket path.
+(``unix:///path/to.sock`` or ``http://host:port``), else the default socket
+(``gpulease_protocol.address``). A lease comes back as a ``LeaseView``.
 """
 
 from __future__ import annotations
@@ -13,24 +14,77 @@ import os
 import socket
 import threading
 import urllib.parse
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-SYSTEM_SOCKET = "/run/gpulease/broker.sock"
+from gpulease_protocol.address import broker_url
 
 
-def default_broker_url() -> str:
-    """``GPULEASE_BROKER``, else the system socket if a system broker runs, else the per-user socket."""
-    env = os.environ.get("GPULEASE_BROKER")
-    if env:
-        return env
-    if os.path.exists(SYSTEM_SOCKET):
-        return "unix://" + SYSTEM_SOCKET
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if os.geteuid() == 0:
-        return "unix://" + SYSTEM_SOCKET
-    if runtime:
-        return "unix://" + os.path.join(runtime, "gpulease", "broker.sock")
-    return f"unix:///tmp/gpulease-{os.getuid()}/broker.sock"
+@dataclass(frozen=True, eq=False)
+class LeaseView(Mapping[str, Any]):
+    """A lease as the broker shows it to its holder (the API's ``Lease`` schema), typed.
+
+    It is also a read-only mapping of the broker's JSON (``raw``), which ``--json`` output and the event
+    stream pass on as they are.
+    """
+
+    id: str
+    state: str
+    user: str = ""
+    reason: str = ""
+    created_at: float = 0.0
+    granted_at: float | None = None
+    expires_at: float | None = None
+    ended_at: float | None = None
+    devices: list[dict[str, Any]] = field(default_factory=list)  # {id, index, node, name}
+    node: str = ""
+    min_gpus: int = 1
+    max_gpus: int = 1
+    fraction: float = 1.0
+    mem_bytes: int = 0
+    priority: str = "normal"
+    locality: str = "node"
+    labels: dict[str, str] = field(default_factory=dict)
+    duration_seconds: float = 0.0
+    idle_timeout_seconds: float = 0.0
+    last_activity: float = 0.0
+    idle_deadline: float | None = None
+    pids: list[int] = field(default_factory=list)
+    simulated: bool = False
+    position: int | None = None
+    estimated_start: float | None = None
+    env: dict[str, str] = field(default_factory=dict)  # to apply in the holder: CUDA_VISIBLE_DEVICES, MPS limits
+    placement: dict[str, Any] | None = None  # the engine that placed it (Ray, Slurm); None: this host
+    secret: str | None = None  # only in the answer to the request that created it
+    preempting: dict[str, Any] | None = None  # a higher priority class takes the GPUs: {by_class, deadline}
+    preempted_by: dict[str, Any] | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LeaseView:
+        """The view of the broker's JSON of a lease (a LeaseView is returned as it is)."""
+        if isinstance(data, LeaseView):
+            return data
+        known = {k: v for k, v in data.items() if k in _LEASE_FIELDS}
+        return cls(**known, raw=dict(data))
+
+    @property
+    def holding(self) -> bool:
+        """Whether the lease holds its GPUs now."""
+        return self.state in ("granted", "active", "idle")
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+_LEASE_FIELDS = frozenset(LeaseView.__dataclass_fields__) - {"raw"}
 
 
 class BrokerError(Exception):
@@ -75,7 +129,7 @@ class BrokerClient:
     """Thread-safe (one connection per thread) client of the broker's REST API."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
-        self.url = url or default_broker_url()
+        self.url = url or broker_url()
         self.token = token if token is not None else os.environ.get("GPULEASE_TOKEN")
         self.timeout = timeout
         parsed = urllib.parse.urlparse(self.url)
@@ -152,38 +206,46 @@ class BrokerClient:
     def gpus(self) -> dict[str, Any]:
         return self.request("GET", "/api/v1/gpus")
 
+    def status(self) -> dict[str, Any]:
+        """``info``, ``gpus``, ``queue`` and ``reservations`` in one dict (what ``gpulease status`` shows)."""
+        return {"info": self.info(), "gpus": self.gpus()["gpus"], "queue": self.queue(),
+                "reservations": self.reservations()}
+
     def queue(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/api/v1/queue")["queue"])
 
-    def leases(self, everyone: bool = False, ended: int = 0) -> list[dict[str, Any]]:
+    def leases(self, everyone: bool = False, ended: int = 0) -> list[LeaseView]:
         q = f"?all={int(everyone)}&ended={ended}"
-        return list(self.request("GET", "/api/v1/leases" + q)["leases"])
+        return [LeaseView.from_json(x) for x in self.request("GET", "/api/v1/leases" + q)["leases"]]
 
-    def request_lease(self, gpus: Any = 1, wait: float = 0.0, **fields: Any) -> dict[str, Any]:
+    def request_lease(self, gpus: Any = 1, wait: float = 0.0, **fields: Any) -> LeaseView:
         """Ask for a lease. ``wait`` > 0 long-polls for the grant up to that many seconds."""
         body = {"gpus": gpus, **{k: v for k, v in fields.items() if v is not None}}
         if wait:
             body["wait_seconds"] = wait
-        return self.request("POST", "/api/v1/leases", body, timeout=self.timeout + wait)
+        return LeaseView.from_json(self.request("POST", "/api/v1/leases", body, timeout=self.timeout + wait))
 
-    def lease(self, lease_id: str, wait: float = 0.0) -> dict[str, Any]:
+    def lease(self, lease_id: str, wait: float = 0.0) -> LeaseView:
         q = f"?wait={wait:g}" if wait else ""
-        return self.request("GET", f"/api/v1/leases/{lease_id}{q}", timeout=self.timeout + wait)
+        return LeaseView.from_json(self.request("GET", f"/api/v1/leases/{lease_id}{q}", timeout=self.timeout + wait))
 
-    def release(self, lease_id: str, reason: str = "released") -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/leases/{lease_id}/release", {"reason": reason})
+    def release(self, lease_id: str, reason: str = "released") -> LeaseView:
+        return self._action(lease_id, "release", {"reason": reason})
 
-    def renew(self, lease_id: str, duration_seconds: float | None = None) -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/leases/{lease_id}/renew", {"duration_seconds": duration_seconds})
+    def renew(self, lease_id: str, duration_seconds: float | None = None) -> LeaseView:
+        return self._action(lease_id, "renew", {"duration_seconds": duration_seconds})
 
-    def heartbeat(self, lease_id: str, active: bool = False) -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/leases/{lease_id}/heartbeat", {"active": active})
+    def heartbeat(self, lease_id: str, active: bool = False) -> LeaseView:
+        return self._action(lease_id, "heartbeat", {"active": active})
 
-    def attach(self, lease_id: str, pid: int) -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/leases/{lease_id}/processes", {"pid": pid})
+    def attach(self, lease_id: str, pid: int) -> LeaseView:
+        return self._action(lease_id, "processes", {"pid": pid})
 
-    def revoke(self, lease_id: str, reason: str) -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/leases/{lease_id}/revoke", {"reason": reason})
+    def revoke(self, lease_id: str, reason: str) -> LeaseView:
+        return self._action(lease_id, "revoke", {"reason": reason})
+
+    def _action(self, lease_id: str, action: str, body: dict[str, Any]) -> LeaseView:
+        return LeaseView.from_json(self.request("POST", f"/api/v1/leases/{lease_id}/{action}", body))
 
     def reservations(self) -> list[dict[str, Any]]:
         """Advance reservations that have not ended (booked and active)."""

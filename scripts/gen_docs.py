@@ -20,7 +20,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def magic_usage() -> str:
-    from jupyter_gpulease.magics import GpuMagics
+    from jupyter_gpulease.kernel.magics import GpuMagics
 
     doc = GpuMagics.gpu.__doc__ or ""
     return "```text\n" + "\n".join(line.rstrip() for line in doc.strip("\n").splitlines()) + "\n```"
@@ -36,7 +36,7 @@ def traits_table(cls: Any) -> str:
 
 
 def blocks() -> dict[str, str]:
-    from jupyter_gpulease.magics import GpuMagics
+    from jupyter_gpulease.kernel.magics import GpuMagics
 
     out = {"magic-usage": magic_usage(), "magic-options": traits_table(GpuMagics)}
     try:

@@ -147,8 +147,8 @@ def test_sidebar_follows_the_broker(lab, page, client, broker):
 def test_gpu_cell_run_from_the_ui_shows_in_the_sidebar(lab, page, client):
     import nbformat
 
-    magics = Path(__file__).resolve().parent.parent / "jupyter_gpulease" / "magics.py"
-    assert magics.exists(), "jupyter_gpulease/magics.py (the %%gpu magic) is missing"
+    magics = Path(__file__).resolve().parent.parent / "jupyter_gpulease" / "kernel" / "magics.py"
+    assert magics.exists(), "jupyter_gpulease/kernel/magics.py (the %%gpu magic) is missing"
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("%load_ext jupyter_gpulease"),

@@ -17,7 +17,7 @@ def test_generated_reference_blocks_are_current() -> None:
 
 
 def test_every_documented_magic_option_exists_and_every_option_is_documented() -> None:
-    from jupyter_gpulease.magics import GpuMagics
+    from jupyter_gpulease.kernel.magics import GpuMagics
 
     usage = GpuMagics.gpu.__doc__ or ""
     real = set(re.findall(r"(--[a-z][a-z-]*)", usage))

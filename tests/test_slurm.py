@@ -243,7 +243,7 @@ def test_gpu_cell_runs_as_a_slurm_step_with_live_output(kernel: Any, client: Bro
     assert where["SLURM_JOB_ID"] == job["id"]
     assert where["GPULEASE_NODE"] == where["SLURMD_NODENAME"] == "n2"
     assert where["CUDA_VISIBLE_DEVICES"] == "0,1"  # as Slurm set it for the step on n2
-    assert "jupyter_gpulease.slurm_worker" in where["ppid_cmd"]  # started by the relay in the step
+    assert "jupyter_gpulease.executors.slurm_relay" in where["ppid_cmd"]  # started by the relay in the step
     ended = wait_for(lambda: (v := client.lease(lease["id"]))["state"] == "released" and v, what="lease released")
     assert ended["placement"] is None
     wait_for(lambda: not _live_jobs(cluster), what="the allocation to end with the lease")

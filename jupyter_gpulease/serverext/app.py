@@ -11,17 +11,12 @@ from typing import Any
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, Integer, Unicode, default, validate
 
-from ..client import BrokerClient, BrokerError, default_broker_url
-from .artifacts import DEFAULT_ROOT
+from gpulease_protocol.address import broker_url, per_user_socket
+
+from ..artifacts import default_root
+from ..client import BrokerClient, BrokerError
 from .embedded import EmbeddedBroker
 from .handlers import default_handlers
-
-
-def per_user_socket() -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.geteuid() != 0:
-        return os.path.join(runtime, "gpulease", "broker.sock")
-    return f"/tmp/gpulease-{os.getuid()}/broker.sock"
 
 
 class GpuLease(ExtensionApp):
@@ -86,7 +81,7 @@ class GpuLease(ExtensionApp):
 
     @default("artifact_root")
     def _default_artifact_root(self) -> str:
-        return str(os.environ.get("GPULEASE_ARTIFACT_ROOT") or DEFAULT_ROOT)
+        return default_root()
 
     @validate("embedded_gpus")
     def _validate_gpus(self, proposal: Any) -> int:
@@ -130,13 +125,13 @@ class GpuLease(ExtensionApp):
             self.log.info("GPU lease broker: %s (configured)", configured)
             return configured
         embedded_url = "unix://" + self.embedded_socket
-        for url in dict.fromkeys([default_broker_url(), embedded_url]):
+        for url in dict.fromkeys([broker_url(), embedded_url]):
             if self._answers(url):
                 self.log.info("GPU lease broker: %s (found)", url)
                 self._export(url)
                 return url
         if not self.embedded_broker:
-            url = default_broker_url()
+            url = broker_url()
             self.log.warning("No GPU lease broker answers at %s and GpuLease.embedded_broker is False", url)
             return url
         self.embedded = EmbeddedBroker(self.embedded_socket, self.embedded_gpus, self.log)
@@ -149,9 +144,6 @@ class GpuLease(ExtensionApp):
         """Kernels started by this server find the broker through GPULEASE_BROKER."""
         os.environ["GPULEASE_BROKER"] = url
         self._env_set = True
-
-    def artifact_root_path(self) -> str:
-        return self.artifact_root
 
     async def broker_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         loop = asyncio.get_running_loop()

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.parse
 from typing import Any
 
-DEFAULT_ROOT = "~/gpulease-artifacts"
+from ..artifacts import local_root
+
 MAX_META_BYTES = 256 * 1024
-
-
-def local_root(root: str) -> str | None:
-    """The local directory of an artifact root (a path or file:// URL); None for remote fsspec URLs."""
-    parsed = urllib.parse.urlparse(root)
-    if parsed.scheme == "file":
-        return os.path.expanduser(parsed.path)
-    if parsed.scheme and len(parsed.scheme) > 1:  # s3://, gs://, ... (a one-letter scheme is a Windows drive)
-        return None
-    return os.path.abspath(os.path.expanduser(root))
 
 
 def _read_meta(path: str) -> dict[str, Any] | None:

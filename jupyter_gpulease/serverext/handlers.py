@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Executor
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from jupyter_core.utils import ensure_async
@@ -17,8 +18,17 @@ from ..client import BrokerError
 from .artifacts import recent_artifacts
 from .relay import connect_events
 
-if TYPE_CHECKING:
-    from .app import GpuLease
+
+class GpuLease(Protocol):
+    """What the handlers use of the extension (``app.GpuLease``, in ``settings["gpulease_app"]``)."""
+
+    broker_url: str
+    artifact_root: str
+    executor: Executor  # threads for blocking work (listing artifacts)
+
+    async def broker_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
 
 AUTH_RESOURCE = "gpulease"
 LEASE_ID = r"([A-Za-z0-9_-]{1,64})"
@@ -140,7 +150,7 @@ class ArtifactsHandler(GpuLeaseHandler):
                                 reason="bad_request") from None
         root_dir = self.settings.get("server_root_dir") or os.getcwd()
         data = await asyncio.get_running_loop().run_in_executor(
-            self.gl.executor, recent_artifacts, self.gl.artifact_root_path(), root_dir, max(0, min(limit, 200))
+            self.gl.executor, recent_artifacts, self.gl.artifact_root, root_dir, max(0, min(limit, 200))
         )
         self.reply(data)
 

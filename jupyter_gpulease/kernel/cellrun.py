@@ -13,16 +13,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import transfer, vmcopy
-from .artifacts import ArtifactDir, now_iso
-from .client import BrokerClient, BrokerError
-from .leasing import Heartbeater, release_quietly
-from .runner import Worker, WorkerCrashed
+from ..artifacts import ArtifactDir, now_iso
+from ..client import BrokerClient, BrokerError, LeaseView
+from ..executors.base import Worker, WorkerCrashed
+from ..worker import transfer, vmcopy
+from .acquire import Heartbeater, release_quietly
 
 Sink = Callable[[str], None]
 
@@ -60,7 +60,7 @@ class Job:
 
 @dataclass
 class Outcome:
-    lease: dict[str, Any]
+    lease: LeaseView
     value: Any = None
     outputs: dict[str, Any] = field(default_factory=dict)
     wall: float = 0.0
@@ -86,10 +86,10 @@ def default_sinks() -> Sinks:
     return Sinks(w(sys.stdout), w(sys.stderr))
 
 
-def lease_env(lease: dict[str, Any], artifacts: ArtifactDir) -> dict[str, str]:
-    env = {k: str(v) for k, v in (lease.get("env") or {}).items()}
+def lease_env(lease: LeaseView, artifacts: ArtifactDir) -> dict[str, str]:
+    env = {k: str(v) for k, v in lease.env.items()}
     env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    env["GPULEASE_LEASE_ID"] = lease["id"]
+    env["GPULEASE_LEASE_ID"] = lease.id
     env["GPULEASE_ARTIFACTS"] = artifacts.local
     return env
 
@@ -203,10 +203,11 @@ def finish_result(result: dict[str, Any], outcome: Outcome) -> None:
 class LeaseRun:
     """Runs jobs on one granted lease (one single-use worker each, or a session's worker)."""
 
-    def __init__(self, client: BrokerClient, heartbeater: Heartbeater, lease: dict[str, Any], artifact_root: str,
+    def __init__(self, client: BrokerClient, heartbeater: Heartbeater, lease: Mapping[str, Any], artifact_root: str,
                  queued: float = 0.0) -> None:
-        self.client, self.heartbeater, self.lease = client, heartbeater, lease
-        self.artifacts = ArtifactDir(artifact_root, lease["id"])
+        self.client, self.heartbeater = client, heartbeater
+        self.lease = lease = LeaseView.from_json(lease)
+        self.artifacts = ArtifactDir(artifact_root, lease.id)
         self.queued = queued
         self.started_at = now_iso()
         self.t0 = time.monotonic()
@@ -220,20 +221,21 @@ class LeaseRun:
         self._end_lock = threading.Lock()
         self._notices: list[str] = []
         self._preempting: dict[str, Any] | None = None
-        heartbeater.add(lease["id"], active=True, on_reply=self._on_beat)
+        heartbeater.add(lease.id, active=True, on_reply=self.on_beat)
 
-    def _on_beat(self, view: dict[str, Any]) -> None:
-        """A heartbeat's answer (heartbeat thread): note a preemption warning for the cell to print."""
-        warning = view.get("preempting")
+    def on_beat(self, reply: Mapping[str, Any]) -> None:
+        """A heartbeat's answer (heartbeat thread): note a preemption warning for the cell to print; keep the
+        lease's devices (an incremental lease grows)."""
+        view = LeaseView.from_json(reply)
+        warning = view.preempting
         if warning and self._preempting is None:
             self._preempting = warning
             left = max(0.0, float(warning["deadline"]) - time.time())
             self._notices.append(
-                f"gpulease: lease {view['id']} is being preempted by priority class {warning['by_class']!r}: "
+                f"gpulease: lease {view.id} is being preempted by priority class {warning['by_class']!r}: "
                 f"save a checkpoint within {left:.0f} s, then the lease is revoked\n")
-        if "devices" in view and view.get("state") in ("granted", "active", "idle"):
-            self.lease = {**self.lease, "devices": view["devices"], "env": view.get("env", self.lease.get("env")),
-                          "node": view.get("node", self.lease.get("node"))}
+        if view.holding:
+            self.lease = view
 
     def take_notices(self) -> list[str]:
         out, self._notices = self._notices, []
@@ -242,15 +244,15 @@ class LeaseRun:
     def ended_why(self) -> str:
         """Why the broker ended this lease, for a worker that died (preempted, revoked, expired), or ''."""
         try:
-            view = self.client.lease(self.lease["id"])
+            view = self.client.lease(self.lease.id)
         except Exception:
             return ""
-        state, reason = view.get("state"), str(view.get("reason") or "")
+        state, reason = view.state, view.reason
         if state not in ("revoked", "expired", "failed"):
             return ""
         if reason == "preempted":
-            by = (view.get("preempted_by") or {}).get("priority")
-            who = (view.get("preempted_by") or {}).get("user")
+            by = (view.preempted_by or {}).get("priority")
+            who = (view.preempted_by or {}).get("user")
             return (f"the lease was preempted by priority class {by!r}" + (f" (user {who})" if who else "")
                     + ": its GPUs went to a higher priority request")
         if reason == "over_memory_cap":
@@ -285,7 +287,7 @@ class LeaseRun:
         if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
             self._pending.append(_IO.submit(self._attach, worker))  # in flight while the job starts
-        self.heartbeater.set_active(self.lease["id"], True)
+        self.heartbeater.set_active(self.lease.id, True)
         oob_dir = transfer.shm_dir()
         outcome = Outcome(self.lease, queued=self.queued, artifacts=self.artifacts.display_path)
         t0 = time.monotonic()
@@ -320,16 +322,16 @@ class LeaseRun:
                 self.exit_status = worker.returncode
                 worker.close()
             elif not single_use:
-                self.heartbeater.set_active(self.lease["id"], False)
+                self.heartbeater.set_active(self.lease.id, False)
 
     def _attach(self, worker: Worker) -> None:
         try:
-            self.client.attach(self.lease["id"], worker.pid)
+            self.client.attach(self.lease.id, worker.pid)
         except Exception as e:
             finished = self.status != "running" or worker.returncode is not None
             if finished or (isinstance(e, BrokerError) and e.status in (404, 409)):
                 return  # the worker (or the lease) is already gone: nothing left to attach
-            print(f"gpulease: could not attach worker {worker.pid} to lease {self.lease['id']}: {e}", file=sys.stderr)
+            print(f"gpulease: could not attach worker {worker.pid} to lease {self.lease.id}: {e}", file=sys.stderr)
 
     def _reap(self, worker: Worker, then_end: bool) -> None:
         def reap() -> None:
@@ -361,15 +363,15 @@ class LeaseRun:
                 except Exception:
                     pass
             status, self.status = self.status, "ended"
-        self.heartbeater.remove(self.lease["id"])
-        release_quietly(self.client, self.lease["id"], reason)
+        self.heartbeater.remove(self.lease.id)
+        release_quietly(self.client, self.lease.id, reason)
         meta = {
-            "lease_id": self.lease["id"],
-            "user": self.lease.get("user"),
-            "devices": self.lease.get("devices"),
-            "node": self.lease.get("node"),
-            "simulated": self.lease.get("simulated"),
-            "env": self.lease.get("env"),
+            "lease_id": self.lease.id,
+            "user": self.lease.user,
+            "devices": self.lease.devices,
+            "node": self.lease.node,
+            "simulated": self.lease.simulated,
+            "env": self.lease.env,
             "started_at": self.started_at,
             "ended_at": now_iso(),
             "wall_seconds": round(time.monotonic() - self.t0, 6),
@@ -385,13 +387,13 @@ class LeaseRun:
 
 
 def summary_line(outcome: Outcome) -> str:
-    from .format import fmt_duration
+    from ..tables import fmt_duration
 
     lease = outcome.lease
-    devs = lease.get("devices") or []
+    devs = lease.devices
     what = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in devs) or "-"
-    frac = lease.get("fraction") or 1.0
+    frac = lease.fraction or 1.0
     n = f"{frac:g} GPU" if frac < 1 else f"{len(devs)} GPU{'s' if len(devs) != 1 else ''}"
-    sim = " (simulated)" if lease.get("simulated") else ""
-    return (f"gpulease: lease {lease['id']} · {n} [{what}]{sim} · ran {fmt_duration(outcome.wall)} · "
+    sim = " (simulated)" if lease.simulated else ""
+    return (f"gpulease: lease {lease.id} · {n} [{what}]{sim} · ran {fmt_duration(outcome.wall)} · "
             f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}")

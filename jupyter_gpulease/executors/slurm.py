@@ -4,7 +4,7 @@ When the broker's inventory is a Slurm cluster, a grant is an allocation (``sall
 on the node(s) that hold the GPUs (the lease view's ``placement``). The kernel then runs::
 
     srun --jobid=J --overlap --nodes=1 --ntasks=1 --nodelist=<first node> --gpus=<its GPUs>
-         python -m jupyter_gpulease.slurm_worker [worker options]
+         python -m jupyter_gpulease.executors.slurm_relay [worker options]
 
 which starts, on the GPU node, the same worker process a local run uses
 (``python -m jupyter_gpulease.worker``) in its own process group, with the
@@ -19,8 +19,7 @@ worker kills its own process group (its lifeline); when the lease ends, the brok
 Values over 1 MiB travel out of band as files in ``<lease artifact dir>/.oob``, which must be a
 path both hosts see (a shared artifact root), not the kernel's /dev/shm.
 
-This module is the kernel side; the relay's protocol and process are in ``jupyter_gpulease.slurm_relay``
-(run through this module, whose ``main`` is the relay's).
+This module is the kernel side; the relay's protocol and process are in ``slurm_relay``.
 """
 
 from __future__ import annotations
@@ -36,14 +35,19 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any
 
-from . import transfer
-from .runner import RelayedPoll, Sink, Worker, WorkerCrashed, _Decoder, worker_env
-from .slurm_relay import CTRL, EXIT, INFO, JOB, KILL, SIGNAL, STDERR, STDOUT, _line, _parse, main
-from .slurm_relay import _Relay as _Relay  # the relay (on the GPU node): `python -m jupyter_gpulease.slurm_worker`
+from traitlets import Float
 
-START_TIMEOUT = float(os.environ.get("GPULEASE_SLURM_START_TIMEOUT", "120"))  # seconds for the step to start
+from ..worker import transfer
+from ..worker.env import worker_env
+from .base import Executor, OutputDecoder, RelayedWorker, Sink, WorkerCrashed
+
+if TYPE_CHECKING:
+    from ..client import LeaseView
+from .slurm_relay import CTRL, EXIT, INFO, JOB, KILL, SIGNAL, STDERR, STDOUT, decode_line, encode_line
+
+DEFAULT_START_TIMEOUT = float(os.environ.get("GPULEASE_SLURM_START_TIMEOUT", "120"))  # seconds for the step to start
 
 NO_CLIENT = ("the lease was placed in Slurm, but this host has no Slurm client (srun, squeue): install "
              "slurm-client and munge, configured for the broker's cluster ($SLURM_CONF)")
@@ -91,23 +95,23 @@ def wait_for_job(name: str, timeout: float) -> str:
         time.sleep(0.02)
 
 
-class SlurmWorker(RelayedPoll):
-    """Kernel side: the same methods as runner.Worker, for a worker that runs as a Slurm job step."""
+class SlurmWorker(RelayedWorker):
+    """Kernel side: the Worker interface, for a worker that runs as a Slurm job step."""
 
     local = False  # not a process of this host: nothing to attach to the lease by pid
 
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
-                 session: bool = False, node: int = 0) -> None:
-        self.started = time.monotonic()
+                 session: bool = False, node: int = 0, start_timeout: float = DEFAULT_START_TIMEOUT) -> None:
+        self.start_timeout = start_timeout
         job_id = str(placement.get("job_id") or "") if placement.get("state") == "ready" else ""
         if not job_id:
-            job_id = wait_for_job(placement["job_name"], START_TIMEOUT)
+            job_id = wait_for_job(placement["job_name"], self.start_timeout)
         where = placement["bundles"][node]
         self.job_id, self.node = job_id, where["node"]
         args = (["--session"] if session else []) + (["--preload", ",".join(preload)] if preload else [])
         self.cmd = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={self.node}",
                     f"--gpus={int(where['gpus'])}", "--quiet", "--kill-on-bad-exit=1", "--job-name=gpulease-cell",
-                    python or sys.executable, "-m", "jupyter_gpulease.slurm_worker", *args]
+                    python or sys.executable, "-m", "jupyter_gpulease.executors.slurm_relay", *args]
         try:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, env=_slurm_env(), start_new_session=True)
@@ -126,7 +130,7 @@ class SlurmWorker(RelayedPoll):
         self.ready: dict[str, Any] | None = None
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
-        self._decoders = {STDOUT: _Decoder(), STDERR: _Decoder()}
+        self._decoders = {STDOUT: OutputDecoder(), STDERR: OutputDecoder()}
         self._done = False
         self.info = self._wait_info()
         self.pid: int = int(self.info["pid"])
@@ -134,7 +138,7 @@ class SlurmWorker(RelayedPoll):
     # ---------------------------------------------------------------- srun's pipes (threads)
     def _read_out(self, stream: IO[bytes]) -> None:
         for line in stream:
-            msg = _parse(line)
+            msg = decode_line(line)
             if msg is None:
                 continue
             if msg[0] == EXIT:
@@ -149,10 +153,10 @@ class SlurmWorker(RelayedPoll):
 
     def _wait_info(self) -> dict[str, Any]:
         try:
-            tag, data = self.events.get(timeout=START_TIMEOUT)
+            tag, data = self.events.get(timeout=self.start_timeout)
         except queue.Empty:
             self._stop_srun()
-            raise SlurmStartError(f"the worker's Slurm step did not start within {START_TIMEOUT:g} s: "
+            raise SlurmStartError(f"the worker's Slurm step did not start within {self.start_timeout:g} s: "
                                   f"{self._tail().strip()}") from None
         if tag != INFO:
             self._stop_srun()
@@ -173,7 +177,7 @@ class SlurmWorker(RelayedPoll):
     def _send(self, tag: int, data: bytes) -> None:
         with self._wlock:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(_line(tag, data))
+            self.proc.stdin.write(encode_line(tag, data))
             self.proc.stdin.flush()
 
     def submit(self, job: dict[str, Any]) -> None:
@@ -294,13 +298,21 @@ class SlurmWorker(RelayedPoll):
             threading.Thread(target=reap, daemon=True, name="gpulease-srun-reaper").start()
 
 
-def executor_for(lease: dict[str, Any], python: str | None = None, session: bool = False) -> Worker | None:
-    """A Slurm step worker when the lease was placed in a Slurm allocation; None: run locally."""
-    placement = lease.get("placement") or {}
-    if placement.get("kind") != "slurm":
-        return None
-    return cast(Worker, SlurmWorker(placement, python, session=session))  # duck-typed: Worker's methods
+class SlurmExecutor(Executor):
+    """Workers for leases the broker placed with Slurm (the lease view's ``placement.kind`` is ``slurm``):
+    a step of the Slurm allocation that holds the lease's GPUs."""
 
+    kind = "slurm"
 
-if __name__ == "__main__":
-    main()
+    start_timeout = Float(
+        DEFAULT_START_TIMEOUT,
+        config=True,
+        help="Seconds a worker may take to start on the GPU node before the cell fails, e.g. 120. "
+        "Default: $GPULEASE_SLURM_START_TIMEOUT, else 120.",
+    )
+
+    def start(self, lease: LeaseView, python: str | None = None, preload: list[str] | None = None,
+              session: bool = False) -> SlurmWorker:
+        if lease.placement is None or lease.placement.get("kind") != self.kind:
+            raise ValueError(f"Lease {lease.id} was not placed by Slurm: {lease.placement!r}")
+        return SlurmWorker(lease.placement, python, preload, session=session, start_timeout=self.start_timeout)

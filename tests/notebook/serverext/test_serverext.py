@@ -11,7 +11,8 @@ import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.websocket import websocket_connect
 
-from jupyter_gpulease.client import SYSTEM_SOCKET, BrokerClient, BrokerError
+from gpulease_protocol.address import SYSTEM_SOCKET
+from jupyter_gpulease.client import BrokerClient, BrokerError
 
 
 def enabled(extra: dict | None = None) -> dict:

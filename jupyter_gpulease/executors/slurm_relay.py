@@ -1,10 +1,11 @@
-"""The relay of the Slurm executor, on the GPU node: ``python -m jupyter_gpulease.slurm_worker`` (or this
-module) run by ``srun`` as a step of the lease's allocation.
+"""The relay of the Slurm executor, on the GPU node: ``python -m jupyter_gpulease.executors.slurm_relay``
+run by ``srun`` as a step of the lease's allocation.
 
 It starts the worker (``python -m jupyter_gpulease.worker``) in its own process group, with the
 ``CUDA_VISIBLE_DEVICES`` Slurm gave the step, and multiplexes the worker's three channels (stdout,
 stderr, framed results) onto its own stdout as lines ``<tag> <base64>\\n``; it takes the kernel's jobs,
-interrupts and kill requests on its stdin the same way. The kernel side is ``slurm_worker.SlurmWorker``.
+interrupts and kill requests on its stdin the same way. The kernel side is ``slurm.SlurmWorker``.
+It imports nothing of the kernel side (no traitlets, no IPython): it starts fast on the GPU node.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 
-from .runner import worker_env
+from ..worker.env import worker_env
 
 # relay -> kernel
 INFO, STDOUT, STDERR, CTRL, EXIT = 0, 1, 2, 3, 4
@@ -27,11 +28,11 @@ INFO, STDOUT, STDERR, CTRL, EXIT = 0, 1, 2, 3, 4
 JOB, SIGNAL, KILL = 1, 2, 3
 
 
-def _line(tag: int, data: bytes) -> bytes:
+def encode_line(tag: int, data: bytes) -> bytes:
     return b"%d %s\n" % (tag, base64.b64encode(data))
 
 
-def _parse(line: bytes) -> tuple[int, bytes] | None:
+def decode_line(line: bytes) -> tuple[int, bytes] | None:
     tag, _, data = line.strip().partition(b" ")
     try:
         return int(tag), base64.b64decode(data)
@@ -40,7 +41,7 @@ def _parse(line: bytes) -> tuple[int, bytes] | None:
 
 
 # ------------------------------------------------------------------------------ relay (on the GPU node)
-class _Relay:
+class Relay:
     def __init__(self, args: list[str]) -> None:
         self.out = os.dup(1)
         os.dup2(2, 1)  # a stray print of this process must not corrupt the channel
@@ -76,7 +77,7 @@ class _Relay:
         signal.signal(signal.SIGINT, lambda s, _f: self.signal(signal.SIGINT))
 
     def emit(self, tag: int, data: bytes) -> None:
-        line = _line(tag, data)
+        line = encode_line(tag, data)
         with self._wlock:
             view = memoryview(line)
             while view:
@@ -102,7 +103,7 @@ class _Relay:
             line = stdin.readline()
             if not line:
                 break
-            msg = _parse(line)
+            msg = decode_line(line)
             if msg is None:
                 continue
             tag, data = msg
@@ -147,7 +148,7 @@ class _Relay:
 
 
 def main(argv: list[str] | None = None) -> None:
-    relay = _Relay(list(sys.argv[1:] if argv is None else argv))
+    relay = Relay(list(sys.argv[1:] if argv is None else argv))
     sys.exit(relay.run())
 
 

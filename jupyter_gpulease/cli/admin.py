@@ -22,8 +22,8 @@ import time
 import urllib.parse
 from typing import Any
 
-from .client import BrokerClient
-from .format import fmt_duration, table
+from ..client import BrokerClient
+from ..tables import local_time, reservations_table, table
 
 
 def _value(text: str) -> Any:
@@ -78,16 +78,6 @@ def when(text: str | None, now: float) -> float | str | None:
         raise ValueError(f"invalid time {text!r}: give 'now', '+2h', epoch seconds or '2025-03-01 09:00'") from None
 
 
-def _local(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
-
-
-def reservations_table(rs: list[dict[str, Any]]) -> str:
-    rows = [[r["id"], r["user"] or "@" + r["group"], r["gpus"], _local(r["start"]), _local(r["end"]),
-             fmt_duration(r["end"] - r["start"]), r["state"], r.get("note", "")] for r in rs]
-    return table(["RESERVATION", "FOR", "GPUS", "START", "END", "LENGTH", "STATE", "NOTE"], rows)
-
-
 def _policy_show(c: BrokerClient, args: argparse.Namespace) -> Any:
     policy = c.request("GET", "/api/v1/policy")["policy"]
     if args.options:
@@ -114,7 +104,7 @@ def _policy_audit(c: BrokerClient, args: argparse.Namespace) -> Any:
     audit = c.request("GET", f"/api/v1/policy/audit?limit={args.limit}")["audit"]
     if args.json:
         return audit
-    rows = [[_local(a["at"]), a["who"], a["source"],
+    rows = [[local_time(a["at"]), a["who"], a["source"],
              "; ".join(f"{k}: {json.dumps(o)} -> {json.dumps(n)}" for k, (o, n) in sorted(a["diff"].items()))]
             for a in audit]
     return table(["WHEN", "WHO", "SOURCE", "CHANGES"], rows) if rows else "No policy changes yet."
@@ -122,7 +112,7 @@ def _policy_audit(c: BrokerClient, args: argparse.Namespace) -> Any:
 
 def _revoke(c: BrokerClient, args: argparse.Namespace) -> Any:
     lease = c.revoke(args.lease_id, args.reason)
-    return lease if args.json else f"{lease['id']} {lease['state']} ({lease['reason']})"
+    return lease.raw if args.json else f"{lease.id} {lease.state} ({lease.reason})"
 
 
 def _reserve(c: BrokerClient, args: argparse.Namespace) -> Any:
@@ -149,7 +139,7 @@ def _reserve(c: BrokerClient, args: argparse.Namespace) -> Any:
     if args.json:
         return r
     return (f"{r['id']}: {r['gpus']} GPU{'s' if r['gpus'] != 1 else ''} for {r['user'] or '@' + r['group']} "
-            f"from {_local(r['start'])} to {_local(r['end'])}")
+            f"from {local_time(r['start'])} to {local_time(r['end'])}")
 
 
 def _usage(c: BrokerClient, args: argparse.Namespace) -> Any:
@@ -161,7 +151,7 @@ def _usage(c: BrokerClient, args: argparse.Namespace) -> Any:
         held, busy = u["gpu_hours_held"], u["gpu_hours_busy"]
         rows.append([u["user"], f"{held:.2f}", f"{busy:.2f}", f"{100 * busy / held:.0f}%" if held else "-",
                      u["leases"], u["revocations"], u["preempted"]])
-    head = f"GPU use since {_local(out['since'])}"
+    head = f"GPU use since {local_time(out['since'])}"
     if not rows:
         return head + ": none."
     return head + "\n" + table(["USER", "GPU-H HELD", "GPU-H BUSY", "BUSY", "LEASES", "REVOKED", "PREEMPTED"], rows)

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from test_broker_process import in_child
 
-from jupyter_gpulease import cellrun, transfer, vmcopy
-from jupyter_gpulease.cellcode import free_names, select_inputs
-from jupyter_gpulease.runner import Worker, WorkerCrashed
+from jupyter_gpulease.executors.base import WorkerCrashed
+from jupyter_gpulease.executors.local import LocalWorker as Worker
+from jupyter_gpulease.kernel import cellrun
+from jupyter_gpulease.kernel.cellcode import free_names, select_inputs
+from jupyter_gpulease.worker import transfer, vmcopy
 
 
 def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> None:  # type: ignore[no-untyped-def]

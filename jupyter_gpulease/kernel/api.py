@@ -25,11 +25,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from . import artifacts as _artifacts
+from gpulease_protocol.requests import parse_duration, request_fields
+
+from .. import artifacts as _artifacts
+from ..client import BrokerClient
+from ..executors.local import LocalWorker
+from .acquire import Heartbeater, acquire
 from .cellrun import Job, LeaseRun, Sinks, default_sinks
-from .client import BrokerClient
-from .leasing import Heartbeater, acquire, duration, gpus_spec, size
-from .runner import Worker
 
 _heartbeaters: dict[str, Heartbeater] = {}
 _lock = threading.Lock()
@@ -45,13 +47,8 @@ def _heartbeater(client: BrokerClient) -> Heartbeater:
 
 def _request(gpus: Any, time_limit: str | float | None, idle: str | float | None, mem: str | int | None,
              priority: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
-    req: dict[str, Any] = {"gpus": gpus_spec(str(gpus)), "heartbeat": True, "labels": labels or {"source": "api"}}
-    if time_limit is not None:
-        req["duration_seconds"] = duration(str(time_limit), "time")
-    if idle is not None:
-        req["idle_timeout_seconds"] = duration(str(idle), "idle")
-    if mem is not None:
-        req["mem"] = size(str(mem), "mem")
+    req = request_fields(gpus, mem=mem, time=time_limit, idle=idle)
+    req.update(heartbeat=True, labels=labels or {"source": "api"})
     if priority:
         req["priority"] = priority
     return req
@@ -66,18 +63,18 @@ class Lease:
 
     @property
     def id(self) -> str:
-        return str(self.info["id"])
+        return self.info.id
 
     @property
     def devices(self) -> list[dict[str, Any]]:
         """The GPUs it holds now (an incremental lease grows: see ``refresh``)."""
-        return list(self._run.lease.get("devices") or [])
+        return list(self._run.lease.devices)
 
     def refresh(self) -> "Lease":
         """Read the lease from the broker again: an incremental lease (``lease("1-4")``) gets more GPUs as
         they free up (heartbeats also bring them in, every few seconds)."""
         view = self._run.client.lease(self.id)
-        self._run._on_beat(view)
+        self._run.on_beat(view)
         self.info = self._run.lease
         return self
 
@@ -97,7 +94,7 @@ class Lease:
             raise RuntimeError(f"Lease {self.id} has been released")
         job = Job("call", code=getattr(fn, "__qualname__", repr(fn)), inputs={"__gpulease_call__": (fn, args, kwargs)})
         env = {"CUDA_VISIBLE_DEVICES": _visible} if _visible is not None else None
-        outcome = self._run.run(Worker(), job, _sinks or default_sinks(), self.grace, single_use=True, release=False,
+        outcome = self._run.run(LocalWorker(), job, _sinks or default_sinks(), self.grace, single_use=True, release=False,
                                 env=env)
         return outcome.value
 
@@ -117,7 +114,7 @@ def lease(gpus: int | str | float = 1, *, time: str | float | None = None, idle:
     client = BrokerClient(broker)
     req = _request(gpus, time, idle, mem, priority, None)
     t0 = _now()
-    granted = acquire(client, req, duration(str(wait), "wait") if wait is not None else None, f"lease({gpus})")
+    granted = acquire(client, req, parse_duration(wait, "wait") if wait is not None else None, f"lease({gpus})")
     run = LeaseRun(client, _heartbeater(client), granted, artifact_root or _artifacts.default_root(), _now() - t0)
     held = Lease(run)
     try:

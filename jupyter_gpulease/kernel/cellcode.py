@@ -9,7 +9,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from .transfer import approx_size
+from ..worker.transfer import approx_size
 
 # Never sent implicitly: IPython's own names and anything that looks like a credential.
 _KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "display"}

@@ -85,7 +85,7 @@ def test_a_cell_that_ignores_the_warning_is_stopped_and_says_by_which_class(setu
 
 
 def test_the_heartbeat_brings_the_class_and_the_grace_to_the_cell(tmp_path: Path) -> None:
-    from jupyter_gpulease.cellrun import LeaseRun
+    from jupyter_gpulease.kernel.cellrun import LeaseRun
 
     class Beats:  # the Heartbeater's interface, without a thread
         def add(self, lease_id, active=True, on_reply=None):  # type: ignore[no-untyped-def]

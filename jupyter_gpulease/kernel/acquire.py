@@ -8,61 +8,17 @@ holds alive with one thread, telling the broker which ones are running a cell.
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
 from typing import Any
 
-from .client import BrokerClient, BrokerError
-from .format import fmt_duration
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.I)
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+from ..client import BrokerClient, BrokerError, LeaseView
+from ..tables import fmt_duration
 
 
 class LeaseUnavailable(Exception):
     """No lease: refused by policy, cancelled, or not granted within --wait."""
-
-
-def duration(text: str, what: str) -> float:
-    """'90', '30s', '5m', '2h' -> seconds; ValueError quoting the value otherwise."""
-    m = _DURATION.match(str(text))
-    if not m:
-        raise ValueError(f"invalid {what} {text!r}: give seconds or a duration like 30s, 5m, 2h")
-    value = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
-    if not 0 < value < 10 * 365 * 86400:
-        raise ValueError(f"invalid {what} {text!r}: must be positive and under 10 years")
-    return value
-
-
-def size(text: str, what: str) -> int:
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"invalid {what} {text!r}: give bytes or a size like 512M, 10G")
-    value = float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower())
-    if not 0 < value < 1024**5:
-        raise ValueError(f"invalid {what} {text!r}: must be more than 0 and under 1024T")
-    return int(value)
-
-
-def gpus_spec(text: str) -> int | float | str:
-    """'2' -> 2, '1-4' -> '1-4', '0.25' -> 0.25; ValueError quoting the value otherwise."""
-    t = str(text).strip()
-    hint = "give a count like 2, a range like 1-4 or a fraction like 0.25"
-    if re.fullmatch(r"\d+", t):
-        if int(t) < 1:
-            raise ValueError(f"invalid GPU count {text!r}: {hint}")
-        return int(t)
-    if re.fullmatch(r"\d+-\d+", t):
-        lo, hi = (int(x) for x in t.split("-"))
-        if not 1 <= lo <= hi:
-            raise ValueError(f"invalid GPU range {text!r}: need 1 <= MIN <= MAX")
-        return t
-    if re.fullmatch(r"0?\.\d+", t):
-        return float(t)
-    raise ValueError(f"invalid GPU count {text!r}: {hint}")
 
 
 class WaitDisplay:
@@ -85,10 +41,10 @@ class WaitDisplay:
         except Exception:
             self.widget = None
 
-    def update(self, lease: dict[str, Any], waited: float) -> None:
-        est = lease.get("estimated_start")
+    def update(self, lease: LeaseView, waited: float) -> None:
+        est = lease.estimated_start
         eta = f", estimated start in {fmt_duration(max(0.0, est - time.time()))}" if est else ""
-        text = f"⏳ {self.label}: queued, position {lease.get('position') or '?'}, waited {fmt_duration(waited)}{eta}"
+        text = f"⏳ {self.label}: queued, position {lease.position or '?'}, waited {fmt_duration(waited)}{eta}"
         if self.widget is not None:
             self.widget.value = f"<code>{text}</code> <small>(interrupt the kernel to cancel)</small>"
         else:
@@ -106,36 +62,36 @@ class WaitDisplay:
             sys.stderr.flush()
 
 
-def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> dict[str, Any]:
+def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> LeaseView:
     """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout."""
     lease = client.request_lease(**request)
-    if lease["state"] == "granted":
+    if lease.state == "granted":
         return lease
     start = time.monotonic()
     display: WaitDisplay | None = None
     granted = False
     try:
-        while lease["state"] == "queued":
+        while lease.state == "queued":
             waited = time.monotonic() - start
             if max_wait is not None and waited >= max_wait:
                 raise LeaseUnavailable(
-                    f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.get('position')} in the "
+                    f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.position} in the "
                     "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
                 )
             if display is None:
                 display = WaitDisplay(label)
             display.update(lease, waited)
             poll = 1.0 if max_wait is None else max(0.05, min(1.0, max_wait - waited))
-            lease = client.lease(lease["id"], wait=poll)
-        if lease["state"] not in ("granted", "active", "idle"):
-            raise LeaseUnavailable(f"Lease {lease['id']} ended while queued: {lease['state']} ({lease['reason']})")
+            lease = client.lease(lease.id, wait=poll)
+        if not lease.holding:
+            raise LeaseUnavailable(f"Lease {lease.id} ended while queued: {lease.state} ({lease.reason})")
         granted = True
         return lease
     finally:
         if display is not None:
             display.close(f"{label}: granted after {fmt_duration(time.monotonic() - start)}" if granted else "")
         if not granted:
-            release_quietly(client, lease["id"], "cancelled")
+            release_quietly(client, lease.id, "cancelled")
 
 
 def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released") -> None:

@@ -19,14 +19,17 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Int, List, Unicode, observe
 
-from . import artifacts as _artifacts
+from gpulease_protocol.requests import parse_duration, request_fields
+
+from .. import artifacts as _artifacts
+from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
+from ..executors import executor_class
+from ..executors.base import Executor, Worker
+from ..executors.local import LocalExecutor, WarmPool
+from ..tables import fmt_duration, leases_table, queue_table, status_text, table
+from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import Job, LeaseRun, default_sinks, summary_line
-from .client import BrokerClient, BrokerError, BrokerUnreachable
-from .executors import executor_for
-from .format import fmt_duration, table
-from .leasing import Heartbeater, LeaseUnavailable, acquire, duration, gpus_spec, release_quietly, size
-from .runner import WarmPool, Worker
 from .sessions import Session, Sessions
 
 LINE_COMMANDS = """
@@ -39,8 +42,9 @@ Line magic: %gpu status | leases [N] | queue | release ID | sessions | session s
 class GpuMagics(Magics):
     broker_url = Unicode(
         "", config=True,
-        help="Broker URL: unix:///path/to.sock or http://host:port. Empty: $GPULEASE_BROKER, else the "
-        "default socket (/run/gpulease/broker.sock, then /tmp/gpulease-<uid>/broker.sock).",
+        help="Broker URL: unix:///path/to.sock or http://host:port. Empty: $GPULEASE_BROKER, else "
+        "/run/gpulease/broker.sock when a system broker runs, else the per-user socket "
+        "($XDG_RUNTIME_DIR/gpulease/broker.sock, else /tmp/gpulease-<uid>/broker.sock).",
     )
     artifact_root = Unicode(
         "", config=True,
@@ -89,6 +93,8 @@ class GpuMagics(Magics):
         self._client: BrokerClient | None = None
         self._heartbeater: Heartbeater | None = None
         self.pool = WarmPool(self.worker_python or None, list(self.preload), self.warm_workers)
+        #: placement kind (``local``, ``ray``, ``slurm``) -> its executor, made when a lease first needs it
+        self.executors: dict[str, Executor] = {"local": LocalExecutor(self.pool, parent=self)}
         self.sessions = Sessions()
         self.jobs: dict[str, SimpleNamespace] = {}
 
@@ -112,6 +118,15 @@ class GpuMagics(Magics):
         if self._heartbeater is None:
             self._heartbeater = Heartbeater(self.client, self.heartbeat_interval)
         return self._heartbeater
+
+    def _start_worker(self, lease: LeaseView, session: bool = False) -> Worker:
+        """A worker where the lease's GPUs are: this host, or a node of the engine that placed it (Ray, Slurm)."""
+        kind = str((lease.placement or {}).get("kind") or "local")
+        executor = self.executors.get(kind)
+        if executor is None:
+            executor = self.executors[kind] = executor_class(kind)(parent=self)
+        preload = list(self.preload) if session else None  # single-use workers preload in the warm pool
+        return executor.start(lease, self.worker_python or None, preload, session=session)
 
     def _root(self) -> str:
         return self.artifact_root or _artifacts.default_root()
@@ -171,17 +186,12 @@ class GpuMagics(Magics):
 
     def _options(self, args: Any) -> dict[str, Any]:
         try:
-            request: dict[str, Any] = {"gpus": gpus_spec(args.gpus), "heartbeat": True}
-            if args.mem:
-                request["mem"] = size(args.mem, "--mem")
-            if args.time:
-                request["duration_seconds"] = duration(args.time, "--time")
-            if args.idle:
-                request["idle_timeout_seconds"] = duration(args.idle, "--idle")
+            request = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, flag="--")
+            request["heartbeat"] = True
             if args.priority:
                 request["priority"] = args.priority
-            wait = duration(args.wait, "--wait") if args.wait else None
-            grace = duration(args.grace, "--grace") if args.grace else self.grace
+            wait = parse_duration(args.wait, "--wait") if args.wait else None
+            grace = parse_duration(args.grace, "--grace") if args.grace else self.grace
             for flag in ("session", "bg"):
                 name = getattr(args, flag)
                 if name is not None and not name.replace("-", "_").isidentifier():
@@ -199,7 +209,7 @@ class GpuMagics(Magics):
         request["labels"] = labels
         return {"request": request, "wait": wait, "grace": grace, "gpus": args.gpus}
 
-    def _acquire(self, opts: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    def _acquire(self, opts: dict[str, Any]) -> tuple[LeaseView, float]:
         t0 = time.monotonic()
         try:
             lease = acquire(self.client, opts["request"], opts["wait"], f"%%gpu {opts['gpus']}")
@@ -211,7 +221,7 @@ class GpuMagics(Magics):
         lease, queued = self._acquire(opts)
         run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
         try:
-            worker = executor_for(lease, self.worker_python or None) or self.pool.take()[0]  # Ray, Slurm: on the GPU node
+            worker = self._start_worker(lease)
             return run.run(worker, job, sinks or default_sinks(), opts["grace"])
         finally:
             run.end()
@@ -227,14 +237,13 @@ class GpuMagics(Magics):
             lease, queued = self._acquire(opts)
             run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
             try:
-                worker = (executor_for(lease, self.worker_python or None, session=True)  # Ray, Slurm: on the GPU node
-                          or Worker(self.worker_python or None, list(self.preload), session=True))
+                worker = self._start_worker(lease, session=True)
             except Exception:
                 run.end()
                 raise
             s = Session(name, run, worker)
             self.sessions.add(s)
-            idle = lease.get("idle_timeout_seconds") or 0
+            idle = lease.idle_timeout_seconds
             if idle:
                 self.heartbeater.at_most(max(0.2, idle / 4))
             window = min(self.idle_warning_seconds, idle / 2) if idle else self.idle_warning_seconds
@@ -262,7 +271,7 @@ class GpuMagics(Magics):
                 entry.state = "running"
                 outcome = self._once(opts, job)
                 self._sh.user_ns.update(outcome.outputs)
-                entry.lease_id, entry.state = outcome.lease["id"], "done"
+                entry.lease_id, entry.state = outcome.lease.id, "done"
                 if self.show_summary:
                     print(f"[{name}] " + summary_line(outcome), flush=True)
                 if outcome.value is not None:
@@ -282,19 +291,16 @@ class GpuMagics(Magics):
 
     # ---------------------------------------------------------------- %gpu line commands
     def _line(self, line: str) -> Any:
-        from . import cli
-
         words = line.split()
         cmd, rest = (words[0], words[1:]) if words else ("status", [])
-        plain: Any = SimpleNamespace(json=False)
         try:
             if cmd == "status":
-                print(cli._status(self.client, plain))
+                print(status_text(self.client.url, self.client.status()))
             elif cmd == "leases":
-                print(cli._leases_table(self.client.leases(ended=int(rest[0]) if rest else 0)))
+                print(leases_table(self.client.leases(ended=int(rest[0]) if rest else 0)))
             elif cmd == "queue":
                 q = self.client.queue()
-                print(cli._queue_table(q) if q else "The queue is empty.")
+                print(queue_table(q) if q else "The queue is empty.")
             elif cmd == "release" and rest:
                 for lease_id in rest:
                     self.client.release(lease_id)
@@ -329,7 +335,8 @@ class GpuMagics(Magics):
 
     def shutdown(self) -> None:
         self.sessions.stop_all()
-        self.pool.shutdown()
+        for executor in self.executors.values():
+            executor.shutdown()
 
 
 def _names(text: str) -> list[str]:
@@ -363,4 +370,4 @@ def unload_ipython_extension(ipython: Any) -> None:
         magics.shutdown()
 
 
-__all__ = ["GpuMagics", "load_ipython_extension", "release_quietly", "unload_ipython_extension"]
+__all__ = ["GpuMagics", "load_ipython_extension", "unload_ipython_extension"]

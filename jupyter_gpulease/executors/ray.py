@@ -28,13 +28,18 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
-from . import transfer
-from .runner import RelayedPoll, Sink, Worker, WorkerCrashed, _Decoder, worker_env
+from traitlets import Float
 
-START_TIMEOUT = float(os.environ.get("GPULEASE_RAY_START_TIMEOUT", "120"))  # seconds for the actor to start
+from ..worker import transfer
+from ..worker.env import worker_env
+from .base import Executor, OutputDecoder, RelayedWorker, Sink, WorkerCrashed
+
+if TYPE_CHECKING:
+    from ..client import LeaseView
+
+DEFAULT_START_TIMEOUT = float(os.environ.get("GPULEASE_RAY_START_TIMEOUT", "120"))  # seconds for the actor to start
 _SEQ = itertools.count(1)
 
 
@@ -143,13 +148,14 @@ def _connect(placement: dict[str, Any]) -> Any:
     return ray
 
 
-class RayWorker(RelayedPoll):
-    """Kernel side: the same methods as runner.Worker, for a worker that runs in a Ray actor."""
+class RayWorker(RelayedWorker):
+    """Kernel side: the Worker interface, for a worker that runs in a Ray actor."""
 
     local = False  # not a process of this host: nothing to attach to the lease by pid
 
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
-                 session: bool = False, bundle: int = 0, lease_id: str = "") -> None:
+                 session: bool = False, bundle: int = 0, lease_id: str = "", start_timeout: float = DEFAULT_START_TIMEOUT) -> None:
+        self.start_timeout = start_timeout
         ray = _connect(placement)
         from ray._raylet import PlacementGroupID
         from ray.util.placement_group import PlacementGroup
@@ -165,7 +171,6 @@ class RayWorker(RelayedPoll):
                     "GPULEASE_RAY_PLACEMENT_GROUP_ID": placement["placement_group_id"],
                     "GPULEASE_RAY_BUNDLE": str(bundle), "GPULEASE_RAY_BUNDLES": str(len(placement["bundles"]))})
         self.name = worker_name(lease_id or placement.get("placement_group", "gpulease-?")[len("gpulease-"):])
-        self.started = time.monotonic()
         # owned by the kernel (not detached): a kernel that dies takes its workers with it; the lease's
         # group, owned by the broker, is what outlives a broker restart
         self.actor = (
@@ -176,7 +181,7 @@ class RayWorker(RelayedPoll):
             .remote(python or sys.executable, args, env)
         )
         try:
-            self.info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=START_TIMEOUT)
+            self.info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=self.start_timeout)
         except Exception:
             ray.kill(self.actor)
             raise
@@ -185,7 +190,7 @@ class RayWorker(RelayedPoll):
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
         self._stderr_tail = b""
-        self._decoders = {1: _Decoder(), 2: _Decoder()}
+        self._decoders = {1: OutputDecoder(), 2: OutputDecoder()}
         self._returncode: int | None = None
         self._done = False  # every pipe closed
         self._dead = ""  # the actor itself is gone: why
@@ -210,7 +215,7 @@ class RayWorker(RelayedPoll):
             shutil.move(inputs["file"], moved)
             job["inputs"] = {**inputs, "file": moved}
         job["oob_dir"] = oob
-        ray.get(self.actor.submit.remote(job), timeout=START_TIMEOUT)
+        ray.get(self.actor.submit.remote(job), timeout=self.start_timeout)
 
     # ---------------------------------------------------------------- output
     def _ended(self) -> bool:
@@ -224,7 +229,7 @@ class RayWorker(RelayedPoll):
         import ray
 
         try:
-            events, code, still_open = ray.get(self.actor.poll.remote(timeout), timeout=timeout + START_TIMEOUT)
+            events, code, still_open = ray.get(self.actor.poll.remote(timeout), timeout=timeout + self.start_timeout)
         except Exception as e:  # RayActorError: the actor (and so the worker) is gone
             self._dead = f"its Ray actor died ({type(e).__name__})"
             self._stderr_tail += f"\n[gpulease] the worker's Ray actor is gone: {e}".encode()[:1000]
@@ -266,7 +271,7 @@ class RayWorker(RelayedPoll):
         import ray
 
         with contextlib.suppress(Exception):
-            self._returncode = ray.get(self.actor.kill.remote(grace), timeout=grace + START_TIMEOUT)
+            self._returncode = ray.get(self.actor.kill.remote(grace), timeout=grace + self.start_timeout)
         self.close()
 
     def wait_exit(self, timeout: float = 5.0) -> int | None:
@@ -274,7 +279,7 @@ class RayWorker(RelayedPoll):
 
         if self._returncode is None and not self._dead:
             with contextlib.suppress(Exception):
-                self._returncode = ray.get(self.actor.wait.remote(timeout), timeout=timeout + START_TIMEOUT)
+                self._returncode = ray.get(self.actor.wait.remote(timeout), timeout=timeout + self.start_timeout)
             if self._returncode is None:
                 self.kill(0.5)
         return self._returncode
@@ -288,9 +293,22 @@ class RayWorker(RelayedPoll):
             ray.kill(self.actor)
 
 
-def executor_for(lease: dict[str, Any], python: str | None = None, session: bool = False) -> Worker | None:
-    """A Ray worker when the lease was placed on a Ray cluster; None: run locally."""
-    placement = lease.get("placement") or {}
-    if placement.get("kind") != "ray":
-        return None
-    return cast(Worker, RayWorker(placement, python, session=session, lease_id=str(lease.get("id") or "")))  # duck-typed: Worker's methods
+class RayExecutor(Executor):
+    """Workers for leases the broker placed with Ray (the lease view's ``placement.kind`` is ``ray``):
+    an actor in the Ray placement group that holds the lease's GPUs."""
+
+    kind = "ray"
+
+    start_timeout = Float(
+        DEFAULT_START_TIMEOUT,
+        config=True,
+        help="Seconds a worker may take to start on the GPU node before the cell fails, e.g. 120. "
+        "Default: $GPULEASE_RAY_START_TIMEOUT, else 120.",
+    )
+
+    def start(self, lease: LeaseView, python: str | None = None, preload: list[str] | None = None,
+              session: bool = False) -> RayWorker:
+        if lease.placement is None or lease.placement.get("kind") != self.kind:
+            raise ValueError(f"Lease {lease.id} was not placed by Ray: {lease.placement!r}")
+        return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id,
+                         start_timeout=self.start_timeout)

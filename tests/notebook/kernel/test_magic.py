@@ -254,7 +254,7 @@ def test_line_magic_commands(kernel: Kernel) -> None:
     assert r.error and r.error["ename"] == "UsageError" and "status" in r.error["evalue"]
     payload = kernel.run("%%gpu?").reply.get("payload", [])
     assert any("--session" in p.get("data", {}).get("text/plain", "") for p in payload), payload
-    r = kernel.run("from jupyter_gpulease.magics import GpuMagics\nprint(GpuMagics.gpu.__doc__)")
+    r = kernel.run("from jupyter_gpulease.kernel.magics import GpuMagics\nprint(GpuMagics.gpu.__doc__)")
     assert "--session" in r.stdout and "--grace" in r.stdout and "%gpu status" in r.stdout
 
 

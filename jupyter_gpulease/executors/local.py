@@ -1,9 +1,10 @@
-"""Kernel side of a GPU worker: start it, send it a job, forward its output live, stop it.
+"""The local executor: a ``%%gpu`` cell's worker as a child process of the kernel, on this host.
 
 A worker is a fresh Python process in its own session (so the kernel's interrupt does
 not reach it unasked). Its stdout and stderr are pipes the kernel forwards chunk by
 chunk (``\\r`` progress bars intact); a third pipe carries framed results. Its stdin
 is its lifeline: if the kernel dies, the pipe closes and the worker kills itself.
+A ``WarmPool`` keeps single-use workers started ahead of the next lease.
 """
 
 from __future__ import annotations
@@ -15,84 +16,18 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import transfer
+from ..worker import transfer
+from ..worker.env import worker_env
+from .base import Executor, OutputDecoder, Sink, Worker, WorkerCrashed
 
-# What a worker must not inherit from a kernel (see notes: unbuffered output splits
-# every print, the inline matplotlib backend does not exist outside the kernel).
-_DROP_ENV = ("PYTHONUNBUFFERED", "MPLBACKEND", "JPY_PARENT_PID", "JPY_SESSION_NAME", "PYDEVD_USE_FRAME_EVAL",
-             "FORCE_COLOR", "CLICOLOR", "CLICOLOR_FORCE", "TERM")
-
-Sink = Callable[[str], None]
+if TYPE_CHECKING:
+    from ..client import LeaseView
 
 
-class WorkerCrashed(Exception):
-    """The worker process ended without handing back a result."""
-
-    def __init__(self, status: int | None, stderr_tail: str) -> None:
-        self.status, self.stderr_tail = status, stderr_tail
-        how = _describe_status(status)
-        tail = f"\nLast lines of its stderr:\n{stderr_tail.rstrip()}" if stderr_tail.strip() else ""
-        super().__init__(f"The GPU worker {how} before the cell finished.{tail}")
-
-
-class RelayedPoll:
-    """``poll()`` for workers whose output and results reach the kernel through a relay that reads the
-    worker's pipes in separate threads (a Ray actor, a Slurm step): the worker flushed its output before it
-    answered, so what is still on the way is taken before the result, and the cell's last lines never
-    arrive after it (in the next cell)."""
-
-    _results: list[dict[str, Any]]
-
-    def _ended(self) -> bool:
-        raise NotImplementedError
-
-    def _crashed(self) -> WorkerCrashed:
-        raise NotImplementedError
-
-    def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
-        """Relay what arrived within ``timeout``; returns how many chunks of output it brought."""
-        raise NotImplementedError
-
-    def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:
-        if not self._results:
-            if self._ended():
-                raise self._crashed()
-            self._fetch(0.5 if timeout is None else timeout, out, err)
-        if not self._results:
-            return None
-        for _ in range(20):  # settle: at most ~50 ms once nothing more comes
-            if self._ended() or not self._fetch(0.05, out, err):
-                break
-        return self._results.pop(0)
-
-
-def _describe_status(status: int | None) -> str:
-    if status is None:
-        return "vanished"
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"was killed by {name}"
-    return f"exited with status {status}"
-
-
-def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
-    env["MPLBACKEND"] = "Agg"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # nothing visible until a lease says which GPUs
-    env.update(extra or {})
-    return env
-
-
-class Worker:
-    """A worker process on this host. Other executors (e.g. a Ray actor on another node) offer the
-    same methods: submit, poll, drain, interrupt, kill, wait_exit, alive, close, returncode."""
+class LocalWorker(Worker):
+    """A worker process on this host, a child of the kernel."""
 
     local = True  # a process of this host, child of the kernel: attached to the lease by pid
 
@@ -114,11 +49,10 @@ class Worker:
         self.pid = self.proc.pid
         self.ctrl = r
         self.ready: dict[str, Any] | None = None
-        self.started = time.monotonic()
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
         self._stderr_tail = b""
-        self._decoders = {1: _Decoder(), 2: _Decoder()}
+        self._decoders = {1: OutputDecoder(), 2: OutputDecoder()}
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for f, tag in ((self.proc.stdout, 1), (self.proc.stderr, 2), (r, 3)):
@@ -233,28 +167,16 @@ class Worker:
                 f.close()  # type: ignore[union-attr]
 
 
-class _Decoder:
-    """UTF-8 across chunk boundaries."""
-
-    def __init__(self) -> None:
-        import codecs
-
-        self._d = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def decode(self, data: bytes) -> str:
-        return self._d.decode(data)
-
-
 class WarmPool:
     """Keeps ``size`` pre-started, single-use workers with the preloaded modules imported."""
 
     def __init__(self, python: str | None = None, preload: list[str] | None = None, size: int = 1) -> None:
         self.python, self.preload, self.size = python, list(preload or []), size
-        self._idle: list[Worker] = []
+        self._idle: list[LocalWorker] = []
         self._lock = threading.Lock()
         self._filling = False
 
-    def take(self) -> tuple[Worker, bool]:
+    def take(self) -> tuple[LocalWorker, bool]:
         """A worker (warm if one is ready); refills in the background. Returns (worker, was_warm)."""
         with self._lock:
             while self._idle:
@@ -264,7 +186,7 @@ class WarmPool:
                     return w, True
                 w.close()
         self._refill_later()
-        return Worker(self.python), False  # cold: nothing preloaded on the critical path
+        return LocalWorker(self.python), False  # cold: nothing preloaded on the critical path
 
     def _refill_later(self) -> None:
         if self.size <= 0 or self._filling:
@@ -278,7 +200,7 @@ class WarmPool:
                 with self._lock:
                     if len(self._idle) >= self.size:
                         return
-                w = Worker(self.python, self.preload)
+                w = LocalWorker(self.python, self.preload)
                 with self._lock:
                     self._idle.append(w)
         except Exception:
@@ -294,3 +216,24 @@ class WarmPool:
             idle, self._idle = self._idle, []
         for w in idle:
             w.kill(0.5)
+
+
+class LocalExecutor(Executor):
+    """Workers on this host (a lease without a placement): single-use ones from the warm pool, when the
+    magics keep one (``GpuMagics.warm_workers``), session ones started for the session."""
+
+    kind = "local"
+
+    def __init__(self, pool: WarmPool | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pool = pool
+
+    def start(self, lease: LeaseView | None = None, python: str | None = None, preload: list[str] | None = None,
+              session: bool = False) -> LocalWorker:
+        if self.pool is not None and not session:
+            return self.pool.take()[0]
+        return LocalWorker(python, preload, session=session)
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()

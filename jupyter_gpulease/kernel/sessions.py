@@ -8,9 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..client import LeaseView
+from ..executors.base import Worker
+from ..tables import fmt_duration
 from .cellrun import LeaseRun
-from .format import fmt_duration
-from .runner import Worker
 
 
 @dataclass
@@ -26,18 +27,18 @@ class Session:
 
     @property
     def lease_id(self) -> str:
-        return str(self.run.lease["id"])
+        return self.run.lease.id
 
     def alive(self) -> bool:
         return not self.ended_reason and self.worker.alive() and self.run.status != "ended"
 
-    def on_heartbeat(self, view: dict[str, Any], warn_window: float, shell: Any) -> None:
+    def on_heartbeat(self, view: LeaseView, warn_window: float, shell: Any) -> None:
         """Called from the heartbeat thread with the broker's view of the lease."""
-        if view.get("ended_at"):
-            self.ended_reason = f"{view.get('state')} ({view.get('reason')})"
+        if view.ended_at:
+            self.ended_reason = f"{view.state} ({view.reason})"
             self._say(f"gpulease: session {self.name!r} ended: lease {self.lease_id} {self.ended_reason}", shell)
             return
-        deadline = view.get("idle_deadline")
+        deadline = view.idle_deadline
         if deadline and not self.warned and deadline - time.time() <= warn_window:
             self.warned = True
             self._say(

@@ -282,6 +282,3 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     os._exit(0)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,8 @@
+"""What the notebook side and the broker agree on, with no dependency beyond the standard library.
+
+- ``gpulease_protocol.requests``: the syntax of a lease request's GPU count, durations and sizes
+  (one set of rules: the broker validates request bodies with them, the client checks what a user typed).
+- ``gpulease_protocol.address``: where a broker listens and where a client looks for one.
+
+Both ``lease_broker`` and ``jupyter_gpulease`` import this package; it imports neither.
+"""

@@ -1,0 +1,118 @@
+"""The syntax of a lease request: GPU counts, ranges and fractions, durations and memory sizes.
+
+One set of rules for both sides: the broker parses request bodies with these functions, and the
+notebook side (``%%gpu``, the Python API) checks what a user typed with the same ones before it asks,
+so the two accept exactly the same values (``tests/protocol/test_request_syntax.py`` checks it against a real
+broker). Each function takes a JSON value (a number or a string) and raises ``RequestSyntaxError``, a
+``ValueError`` quoting the bad value and naming the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: More GPUs than this in one request is refused: no inventory holds that many.
+MAX_GPUS = 4096
+MAX_SECONDS = 10 * 365 * 86400
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_GPUS_HINT = "give a count like 2, a range like '1-4' or a fraction like 0.25"
+
+
+class RequestSyntaxError(ValueError):
+    """A request value that does not parse; the message quotes it and says what to give instead."""
+
+
+def parse_duration(value: Any, what: str = "duration") -> float:
+    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1d"`` (0 means the policy's default)."""
+    if isinstance(value, bool):
+        raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
+    else:
+        raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m' or '2h'")
+    if not (0 <= seconds < MAX_SECONDS) or seconds != seconds:
+        raise RequestSyntaxError(f"Invalid {what} {value!r}: must be between 0 and 10 years")
+    return seconds
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from ``1024``, ``"16G"``, ``"512MiB"``, ``"1.5G"`` (binary units; 0 means none)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+        return value
+    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        size = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()[0]]
+        if size < 1 << 62:  # also refuses inf (a 400-digit number)
+            return int(size)
+    raise RequestSyntaxError(f"Invalid {what} {value!r}: give bytes or a string like '16G'")
+
+
+def parse_gpus(value: Any) -> tuple[int, int, float]:
+    """``(min, max, fraction)`` from a count (``2``, ``"2"``, ``2.0``, ``"1.0"``), a range (``"1-4"``)
+    or a fraction of one shared GPU (``0.25``, ``"0.25"``, ``".5"``)."""
+    given = value
+    if isinstance(value, bool):
+        raise RequestSyntaxError(f"Invalid gpus {value!r}: {_GPUS_HINT}")
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"\d+\s*-\s*\d+", text):
+            lo, hi = (int(x) for x in text.split("-"))
+            if lo < 1 or hi < lo:
+                raise RequestSyntaxError(f"Invalid gpus range {value!r}: need 1 <= min <= max")
+            return _capped(lo, hi, value)
+        try:
+            value = float(text) if "." in text else int(text)
+        except ValueError:
+            raise RequestSyntaxError(f"Invalid gpus {value!r}: {_GPUS_HINT}") from None
+    if isinstance(value, float) and not value.is_integer():
+        if not 0 < value < 1:
+            raise RequestSyntaxError(f"Invalid gpus {given!r}: a fraction must be between 0 and 1")
+        return 1, 1, value
+    if isinstance(value, (int, float)):
+        n = int(value)
+        if n < 1:
+            got = f" (got {given!r})" if isinstance(given, str) else ""
+            raise RequestSyntaxError(f"Invalid gpus {value!r}: ask for at least 1{got}")
+        return _capped(n, n, given)
+    raise RequestSyntaxError(f"Invalid gpus {value!r}: {_GPUS_HINT}")
+
+
+def _capped(lo: int, hi: int, given: Any) -> tuple[int, int, float]:
+    if lo > MAX_GPUS:
+        raise RequestSyntaxError(f"Invalid gpus {given!r}: more than any inventory holds ({MAX_GPUS} at most)")
+    return lo, hi, 1.0
+
+
+def gpus_value(value: Any) -> int | float | str:
+    """The request body's ``gpus`` for what a user gave: ``2``, ``"1-4"`` or ``0.25`` (validated)."""
+    lo, hi, fraction = parse_gpus(value)
+    if fraction < 1:
+        return fraction
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def request_fields(gpus: Any = 1, *, mem: Any = None, time: Any = None, idle: Any = None,
+                   flag: str = "") -> dict[str, Any]:
+    """The request body's fields for what a user gave (``%%gpu 2 --time 30m``, ``lease(2, time="30m")``).
+
+    ``None`` leaves a field out (the broker's policy decides). A ``mem`` of 0 is refused: the body's 0 means
+    "none asked", so a user who typed it meant something else. ``flag`` prefixes the option names in error
+    messages (``"--"`` for a command line).
+    """
+    fields: dict[str, Any] = {"gpus": gpus_value(gpus)}
+    if mem is not None:
+        fields["mem"] = parse_size(mem, f"{flag}mem")
+        if not fields["mem"]:  # in a request body 0 means "no memory asked"; given by a user, it is a mistake
+            raise RequestSyntaxError(f"Invalid {flag}mem {mem!r}: give the memory wanted on a shared GPU, like "
+                                     "'10G', or leave it out")
+    if time is not None:
+        fields["duration_seconds"] = parse_duration(time, f"{flag}time")
+    if idle is not None:
+        fields["idle_timeout_seconds"] = parse_duration(idle, f"{flag}idle")
+    return fields

@@ -1,0 +1,98 @@
+"""Human-readable sizes, durations and tables: what the ``gpulease`` CLI and the ``%gpu`` magic print."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .client import LeaseView
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def lease_gpus(item: Mapping[str, Any]) -> str:
+    if item.get("fraction", 1.0) < 1.0:
+        return f"{item['fraction']:g}"
+    lo, hi = item.get("min_gpus", 1), item.get("max_gpus", 1)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells)
+
+
+def status_text(url: str, status: dict[str, Any]) -> str:
+    """The broker's GPUs, queue and reservations (``BrokerClient.status()``) as text."""
+    info = status["info"]
+    s = info["summary"]
+    sim = " (SIMULATED inventory)" if info["simulated"] else ""
+    reserved = f", {s['states']['reserved']} reserved" if s["states"].get("reserved") else ""
+    lines = [f"Broker {info['version']} at {url}{sim}: {s['free']}/{s['total']} GPUs free{reserved}, "
+             f"{s['queued']} queued"]
+    rows = []
+    for g in status["gpus"]:
+        holders = ", ".join(h["user"] + ("" if h["fraction"] == 1 else f" ({h['fraction']:g})") for h in g["holders"])
+        rows.append([g["node"], g["index"], g["name"] + (" [sim]" if g["simulated"] else ""),
+                     f"{fmt_bytes(g['memory_used'])}/{fmt_bytes(g['memory_total'])}", f"{g['utilization']:.0f}%",
+                     _gpu_state(g), holders])
+    lines.append(table(["NODE", "IDX", "NAME", "MEMORY", "UTIL", "STATE", "HELD BY"], rows))
+    if status["queue"]:
+        lines.append("")
+        lines.append(queue_table(status["queue"]))
+    if status["reservations"]:
+        lines.append("")
+        lines.append(reservations_table(status["reservations"]))
+    return "\n".join(lines)
+
+
+def _gpu_state(g: dict[str, Any]) -> str:
+    r = g.get("reservation")
+    if g["state"] == "reserved" and r:
+        return f"reserved ({r['user'] or '@' + r['group']} until {time.strftime('%H:%M', time.localtime(r['end']))})"
+    return str(g["state"])
+
+
+def queue_table(queue: list[dict[str, Any]]) -> str:
+    rows = [[q["position"], q["user"], q["lease_id"] or "-", lease_gpus(q), q["priority"],
+             fmt_duration(q["waited_seconds"]),
+             fmt_duration(max(0.0, q["estimated_start"] - time.time())) if q.get("estimated_start") else "?"]
+            for q in queue]
+    return table(["POS", "USER", "LEASE", "GPUS", "PRIORITY", "WAITED", "EST. START IN"], rows)
+
+
+def leases_table(leases: list[LeaseView]) -> str:
+    now = time.time()
+    rows = []
+    for lease in leases:
+        left = fmt_duration(lease.expires_at - now) if lease.expires_at and not lease.ended_at else "-"
+        devs = ",".join(f"{d['node']}:{d['index']}" for d in lease.devices) or "-"
+        rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, lease.reason])
+    return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "REASON"], rows)
+
+
+def local_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def reservations_table(rs: list[dict[str, Any]]) -> str:
+    rows = [[r["id"], r["user"] or "@" + r["group"], r["gpus"], local_time(r["start"]), local_time(r["end"]),
+             fmt_duration(r["end"] - r["start"]), r["state"], r.get("note", "")] for r in rs]
+    return table(["RESERVATION", "FOR", "GPUS", "START", "END", "LENGTH", "STATE", "NOTE"], rows)
