@@ -14,6 +14,8 @@ from tornado import ioloop
 from traitlets import Bool, Float, Instance, Integer, List, Unicode, default
 from traitlets.config import Application, catch_config_error
 
+from gpulease_protocol import address
+
 from . import __version__
 from .api.auth import Authenticator, admin_check
 from .core.clock import Clock
@@ -24,7 +26,7 @@ from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager.manager import LeaseManager
 from .policy.lease_policy import LeasePolicy
-from .service import BrokerService, default_socket_path
+from .service import BrokerService
 from .store.lease_store import Store
 
 
@@ -119,7 +121,7 @@ class LeaseBroker(Application):
 
     @default("socket_path")
     def _default_socket(self) -> str:
-        return default_socket_path()
+        return address.listen_socket()
 
     @default("db_path")
     def _default_db(self) -> str:

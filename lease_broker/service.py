@@ -22,17 +22,6 @@ from .manager.manager import LeaseManager
 log = logging.getLogger("lease_broker")
 
 
-def default_socket_path() -> str:
-    """The documented default: /run/gpulease/broker.sock for a system broker (root),
-    else $XDG_RUNTIME_DIR/gpulease/broker.sock, else /tmp/gpulease-<uid>/broker.sock."""
-    if os.geteuid() == 0:
-        return "/run/gpulease/broker.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "gpulease", "broker.sock")
-    return f"/tmp/gpulease-{os.getuid()}/broker.sock"
-
-
 class StartupError(LeaseError):
     status_code = 500
     reason = "startup"

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gpulease_protocol import requests
 
 from .errors import BadRequest, InvalidTransition
 
@@ -55,37 +59,23 @@ def check_transition(lease_id: str, current: LeaseState, target: LeaseState) -> 
         )
 
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORECASE)
-_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+def _syntax(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """The shared request syntax (``gpulease_protocol.requests``), its errors as 400 answers."""
+
+    @functools.wraps(fn)
+    def parse(*args: Any) -> _T:
+        try:
+            return fn(*args)
+        except requests.RequestSyntaxError as e:
+            raise BadRequest(str(e)) from None
+
+    return parse
 
 
-def parse_duration(value: Any, what: str = "duration") -> float:
-    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"2h"``; raises BadRequest quoting the value."""
-    if isinstance(value, bool):
-        raise BadRequest(f"Invalid {what} {value!r}: give seconds or a string like '30m'")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
-    else:
-        raise BadRequest(f"Invalid {what} {value!r}: give seconds or a string like '30m' or '2h'")
-    if not (0 <= seconds < 10 * 365 * 86400) or seconds != seconds:
-        raise BadRequest(f"Invalid {what} {value!r}: must be between 0 and 10 years")
-    return seconds
-
-
-def parse_size(value: Any, what: str = "size") -> int:
-    """Bytes from ``1024``, ``"16G"``, ``"512MiB"``; raises BadRequest quoting the value."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
-        return value
-    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        unit = (m.group(2) or "b").lower()[0]
-        mult = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
-        size = float(m.group(1)) * mult
-        if size < 1 << 62:  # also refuses inf (a 400-digit number)
-            return int(size)
-    raise BadRequest(f"Invalid {what} {value!r}: give bytes or a string like '16G'")
+_T = TypeVar("_T")
+parse_duration = _syntax(requests.parse_duration)
+parse_size = _syntax(requests.parse_size)
+_parse_gpus = _syntax(requests.parse_gpus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +169,8 @@ def parse_request(data: Any) -> LeaseRequest:
             raise BadRequest(f"Invalid gpus range {lo!r}-{hi!r}: need 1 <= min_gpus <= max_gpus")
         if not 0 < frac <= 1:
             raise BadRequest(f"Invalid fraction {frac!r}: must be in (0, 1]")
-    if lo > 4096:
-        raise BadRequest(f"Invalid gpus {lo!r}: more than any inventory holds")
+    if lo > requests.MAX_GPUS:
+        raise BadRequest(f"Invalid gpus {lo!r}: more than any inventory holds ({requests.MAX_GPUS} at most)")
     mem = parse_size(data.get("mem", data.get("mem_bytes", 0)), "mem")
     labels = data.get("labels", {}) or {}
     if not isinstance(labels, dict) or len(labels) > MAX_LABELS:

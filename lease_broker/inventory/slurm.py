@@ -12,7 +12,7 @@ it even while it is pending. ``salloc`` runs in a thread (it blocks while Slurm 
 job): the lease's placement is ``pending`` until Slurm grants it, then ``ready``, with the
 GPU indices Slurm chose on each node (the lease's devices follow them: those are the ones the
 job's steps see in ``CUDA_VISIBLE_DEVICES``; the placement's ``bundles``, one per node, say them). The ``%%gpu`` worker runs in the allocation
-with ``srun --jobid J --overlap`` (``jupyter_gpulease.slurm_worker``). Ending the lease is
+with ``srun --jobid J --overlap`` (``jupyter_gpulease.executors.slurm``). Ending the lease is
 ``scancel``; its GPUs drain until Slurm no longer holds them.
 
 Slurm's own word is final and is surfaced in the lease's reason: ``salloc``'s error
