@@ -117,35 +117,6 @@ MAX_LABEL_LEN = 1024
 MAX_LABELS = 32
 
 
-def _parse_gpus(value: Any) -> tuple[int, int, float]:
-    """(min, max, fraction) from 2, "1-4", 0.25 or "0.25"."""
-    if isinstance(value, bool):
-        raise BadRequest(f"Invalid gpus {value!r}: give a count like 2, a range like '1-4' or a fraction like 0.25")
-    if isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"\d+\s*-\s*\d+", text):
-            lo, hi = (int(x) for x in text.split("-"))
-            if lo < 1 or hi < lo:
-                raise BadRequest(f"Invalid gpus range {value!r}: need 1 <= min <= max")
-            return lo, hi, 1.0
-        try:
-            value = float(text) if "." in text else int(text)
-        except ValueError:
-            raise BadRequest(
-                f"Invalid gpus {value!r}: give a count like 2, a range like '1-4' or a fraction like 0.25"
-            ) from None
-    if isinstance(value, float) and not value.is_integer():
-        if not 0 < value < 1:
-            raise BadRequest(f"Invalid gpus {value!r}: a fraction must be between 0 and 1")
-        return 1, 1, value
-    if isinstance(value, (int, float)):
-        n = int(value)
-        if n < 1:
-            raise BadRequest(f"Invalid gpus {value!r}: ask for at least 1")
-        return n, n, 1.0
-    raise BadRequest(f"Invalid gpus {value!r}: give a count like 2, a range like '1-4' or a fraction like 0.25")
-
-
 def parse_request(data: Any) -> LeaseRequest:
     """Validate a request body; every error quotes the bad value."""
     if not isinstance(data, dict):
