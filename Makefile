@@ -21,8 +21,6 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# a previous `labextension develop` leaves install.json in the build output, which the wheel also ships
-	rm -f jupyter_gpulease/labextension/install.json
 	$(BIN)/python -m pip install -q -e '.[test,dev,ray]'
 	# link the sidebar's build output so `cd labextension && jlpm build` is picked up without reinstalling
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter labextension develop --overwrite .
