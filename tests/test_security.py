@@ -274,23 +274,24 @@ def test_every_answer_shows_a_lease_as_its_viewer_may_see_it(broker_factory, sec
     admin.request("PUT", "/api/v1/policy", {"preempt_grace_seconds": {"high": 0}})
 
     def low_lease() -> dict:
-        return BrokerClient(broker.url).request_lease(1, heartbeat=False, priority="low")
+        return dict(BrokerClient(broker.url).request_lease(1, heartbeat=False, priority="low"))
 
     victim = as_user(second_user, low_lease)
     assert victim["state"] == "granted"
     high = admin.request_lease(1, heartbeat=False, priority="high", wait=10)
     assert high["state"] == "granted"
-    got = admin.lease(victim["id"])
+    got = dict(admin.lease(victim["id"]))
     assert got["state"] == "revoked" and got["reason"] == "preempted"
     assert got["preempted_by"] == {"priority": "high", "user": "root", "lease_id": high["id"]}
     listed = next(x for x in admin.leases(everyone=True, ended=10) if x["id"] == victim["id"])
     assert listed["preempted_by"] == got["preempted_by"]
-    owners = as_user(second_user, lambda: BrokerClient(broker.url).lease(victim["id"]))
+    owners = as_user(second_user, lambda: dict(BrokerClient(broker.url).lease(victim["id"])))
     assert owners["preempted_by"] == {"priority": "high"}
 
     admin.release(high["id"])
-    theirs = as_user(second_user, lambda: BrokerClient(broker.url).request_lease(1, heartbeat=False, wait=10))
-    renewed = admin.renew(theirs["id"], 600)
-    assert renewed == admin.lease(theirs["id"])
-    released = admin.release(theirs["id"], "maintenance")
-    assert released == admin.lease(theirs["id"]) and released["state"] == "revoked"
+    theirs = as_user(second_user,
+                     lambda: dict(BrokerClient(broker.url).request_lease(1, heartbeat=False, wait=10)))
+    renewed = dict(admin.renew(theirs["id"], 600))
+    assert renewed == dict(admin.lease(theirs["id"]))
+    released = dict(admin.release(theirs["id"], "maintenance"))
+    assert released == dict(admin.lease(theirs["id"])) and released["state"] == "revoked"

@@ -11,7 +11,7 @@ applies. Pure of network code: the API calls into it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import copy
 import logging
 import secrets
 import time
@@ -278,7 +278,7 @@ class LeaseManager:
         before = None if new else lease.state
         if before is not None and change.state is not None:
             check_transition(lease.id, before, change.state)
-        saved = dataclasses.replace(lease)
+        saved = copy.copy(lease)
         change.apply(lease, now)
         try:
             if new:
