@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import abc
 import codecs
+import os
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from traitlets import Float, default
 from traitlets.config import LoggingConfigurable
 
 if TYPE_CHECKING:
@@ -148,3 +150,33 @@ class Executor(LoggingConfigurable):
 
     def shutdown(self) -> None:
         """Stop what the executor keeps ready (pre-started workers)."""
+
+    @staticmethod
+    def env_timeout(kind: str) -> float:
+        """The start timeout from ``$GPULEASE_<KIND>_START_TIMEOUT``, else 120 s."""
+        return float(os.environ.get(f"GPULEASE_{kind.upper()}_START_TIMEOUT", "120"))
+
+
+class PlacedExecutor(Executor):
+    """Workers for leases an engine placed (the lease view's ``placement.kind`` is this executor's ``kind``)."""
+
+    start_timeout = Float(
+        120.0,
+        config=True,
+        help="Seconds a worker may take to start on the GPU node before the cell fails, e.g. 120. "
+        "Default: $GPULEASE_<KIND>_START_TIMEOUT (KIND: RAY, SLURM), else 120.",
+    )
+
+    @default("start_timeout")
+    def _env_start_timeout(self) -> float:
+        return self.env_timeout(self.kind)
+
+    def start(self, lease: LeaseView, python: str | None = None, preload: list[str] | None = None,
+              session: bool = False) -> Worker:
+        if lease.placement is None or lease.placement.get("kind") != self.kind:
+            raise ValueError(f"Lease {lease.id} was not placed by {self.kind.capitalize()}: {lease.placement!r}")
+        return self.worker(lease, python, preload, session)
+
+    @abc.abstractmethod
+    def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None, session: bool) -> Worker:
+        """The engine's worker for a lease it placed."""

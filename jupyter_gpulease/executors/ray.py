@@ -30,16 +30,14 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Float
-
 from ..worker import transfer
 from ..worker.env import worker_env
-from .base import Executor, OutputDecoder, RelayedWorker, Sink, WorkerCrashed
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed
 
 if TYPE_CHECKING:
     from ..client import LeaseView
 
-DEFAULT_START_TIMEOUT = float(os.environ.get("GPULEASE_RAY_START_TIMEOUT", "120"))  # seconds for the actor to start
+DEFAULT_START_TIMEOUT = PlacedExecutor.env_timeout("ray")  # seconds for the actor to start
 _SEQ = itertools.count(1)
 
 
@@ -293,22 +291,13 @@ class RayWorker(RelayedWorker):
             ray.kill(self.actor)
 
 
-class RayExecutor(Executor):
+class RayExecutor(PlacedExecutor):
     """Workers for leases the broker placed with Ray (the lease view's ``placement.kind`` is ``ray``):
     an actor in the Ray placement group that holds the lease's GPUs."""
 
     kind = "ray"
 
-    start_timeout = Float(
-        DEFAULT_START_TIMEOUT,
-        config=True,
-        help="Seconds a worker may take to start on the GPU node before the cell fails, e.g. 120. "
-        "Default: $GPULEASE_RAY_START_TIMEOUT, else 120.",
-    )
-
-    def start(self, lease: LeaseView, python: str | None = None, preload: list[str] | None = None,
-              session: bool = False) -> RayWorker:
-        if lease.placement is None or lease.placement.get("kind") != self.kind:
-            raise ValueError(f"Lease {lease.id} was not placed by Ray: {lease.placement!r}")
-        return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id,
-                         start_timeout=self.start_timeout)
+    def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
+               session: bool) -> RayWorker:
+        assert lease.placement is not None
+        return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id, start_timeout=self.start_timeout)

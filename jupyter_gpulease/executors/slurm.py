@@ -37,17 +37,15 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Any
 
-from traitlets import Float
-
 from ..worker import transfer
 from ..worker.env import worker_env
-from .base import Executor, OutputDecoder, RelayedWorker, Sink, WorkerCrashed
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed
 
 if TYPE_CHECKING:
     from ..client import LeaseView
 from .slurm_relay import CTRL, EXIT, INFO, JOB, KILL, SIGNAL, STDERR, STDOUT, decode_line, encode_line
 
-DEFAULT_START_TIMEOUT = float(os.environ.get("GPULEASE_SLURM_START_TIMEOUT", "120"))  # seconds for the step to start
+DEFAULT_START_TIMEOUT = PlacedExecutor.env_timeout("slurm")  # seconds for the step to start
 
 NO_CLIENT = ("the lease was placed in Slurm, but this host has no Slurm client (srun, squeue): install "
              "slurm-client and munge, configured for the broker's cluster ($SLURM_CONF)")
@@ -298,21 +296,13 @@ class SlurmWorker(RelayedWorker):
             threading.Thread(target=reap, daemon=True, name="gpulease-srun-reaper").start()
 
 
-class SlurmExecutor(Executor):
+class SlurmExecutor(PlacedExecutor):
     """Workers for leases the broker placed with Slurm (the lease view's ``placement.kind`` is ``slurm``):
     a step of the Slurm allocation that holds the lease's GPUs."""
 
     kind = "slurm"
 
-    start_timeout = Float(
-        DEFAULT_START_TIMEOUT,
-        config=True,
-        help="Seconds a worker may take to start on the GPU node before the cell fails, e.g. 120. "
-        "Default: $GPULEASE_SLURM_START_TIMEOUT, else 120.",
-    )
-
-    def start(self, lease: LeaseView, python: str | None = None, preload: list[str] | None = None,
-              session: bool = False) -> SlurmWorker:
-        if lease.placement is None or lease.placement.get("kind") != self.kind:
-            raise ValueError(f"Lease {lease.id} was not placed by Slurm: {lease.placement!r}")
+    def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
+               session: bool) -> SlurmWorker:
+        assert lease.placement is not None
         return SlurmWorker(lease.placement, python, preload, session=session, start_timeout=self.start_timeout)
