@@ -39,7 +39,7 @@ class BrokerCollector(Collector):
             trans.add_metric([a, b], n)
         yield trans
         per_user = GaugeMetricFamily("gpulease_user_gpus", "GPUs held per user", labels=["user"])
-        for user, count in sorted(m.held_by_user().items()):
+        for user, count in sorted(m.state.held_by_user().items()):
             per_user.add_metric([user], count)
         yield per_user
         unleased = GaugeMetricFamily(

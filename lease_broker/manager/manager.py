@@ -1,11 +1,8 @@
-"""LeaseManager: the one owner of lease state.
+"""LeaseManager: the one owner of lease state (docs/architecture.md).
 
-It holds the live leases (:class:`~lease_broker.manager.state.LiveState`) and changes them through one path,
-:meth:`LeaseManager.commit`, which updates the GPU table, writes the store in one transaction and publishes the
-events together. The parts it is composed of (enforcement, reservations, preemption, quotas, usage, policy
-administration, views) read the live state and ask for changes through :class:`~lease_broker.manager.ports.LeaseOps`;
-the inventory is told of grants and ends and answers with changes (``inventory.changes``) that the manager
-applies. Pure of network code: the API calls into it.
+It holds the live leases (``LiveState``) and changes them through one path, :meth:`LeaseManager.commit`: the
+GPU table, one store transaction and the events together. Its parts read the live state and ask for changes
+through ``LeaseOps``; the inventory's changes come back through the ``EngineLink``. The API calls into it.
 """
 
 from __future__ import annotations
@@ -14,11 +11,10 @@ import asyncio
 import copy
 import logging
 import secrets
-import time
 from typing import Any
 
 from ..core.clock import Clock
-from ..core.errors import BadRequest, Forbidden, InvalidTransition, NotFound
+from ..core.errors import BadRequest, Forbidden, InvalidTransition
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity, hash_secret
 from ..core.lease import (
@@ -34,38 +30,29 @@ from ..core.lease import (
 )
 from ..core.scheduler import Pending, schedule
 from ..inventory import Inventory
-from ..inventory.changes import GpusChanged, GpusClosed, InventoryChange, LeaseFailed, LeasePlaced
 from ..policy.lease_policy import LeasePolicy
 from ..store.admin_store import AdminStore
 from ..store.lease_store import Store
+from .access import LeaseAccess, Waiters
 from .enforcer import Enforcer
+from .engine import EngineLink
 from .events import EventBus
+from .gpu_summary import GpuSummary
 from .planning import Planning
 from .policy_admin import PolicyAdmin
 from .preemption import Preemption
 from .quotas import Quotas
 from .reservations import Reservations
-from .restore import load_live
+from .restore import double_grants, load_live
 from .state import LiveState
 from .usage import Usage
-from .views import Views, may_see
+from .views import Views
 
 log = logging.getLogger("lease_broker")
 
-#: The GPU summary (one entry per GPU) is published at most this often: at once after a quiet spell, then
-#: on the trailing edge. A busy broker would otherwise rebuild it twice per grant and release.
-GPU_EVENT_INTERVAL = 0.1
-
-
 class LeaseManager:
-    def __init__(
-        self,
-        store: Store,
-        inventory: Inventory,
-        policy: LeasePolicy,
-        clock: Clock | None = None,
-        events: EventBus | None = None,
-    ) -> None:
+    def __init__(self, store: Store, inventory: Inventory, policy: LeasePolicy, clock: Clock | None = None,
+                 events: EventBus | None = None) -> None:
         self.store = store
         self.inventory = inventory
         self.policy = policy
@@ -84,16 +71,12 @@ class LeaseManager:
         self.planning = Planning(self.state, policy, inventory, self.quotas, self.usage, self.reservations)
         self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
         self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption)
+        self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
+        self.gpu_summary = GpuSummary(self.events, self.summary)
         self.transitions_total: dict[tuple[str, str], int] = {}
         self._seq = store.next_seq()
-        self._waiters: dict[str, list[asyncio.Future[Lease]]] = {}
-        self._gpus_dirty, self._gpus_sent = False, -1e9
+        self.access, self.waiters = LeaseAccess(self.state, store), Waiters()
         self._pass_queued = False
-        self._arrived: list[str] = []  # queued since the last pass: the next event pass looks at them
-        self._last_full = -1e18  # when the last full pass ran
-        self._full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
-        self._loop: asyncio.AbstractEventLoop | None = None
-        inventory.wake = self._wake_inventory
 
     # ------------------------------------------------------------------ what parts and the API read
     @property
@@ -125,9 +108,6 @@ class LeaseManager:
     def planned(self) -> dict[str, float]:
         return self.state.planned
 
-    def held_by_user(self) -> dict[str, float]:
-        return self.state.held_by_user()
-
     def view(self, lease: Lease, who: Identity | None = None) -> dict[str, Any]:
         """The one lease view every answer and event uses (``who`` None: the owner's, as events carry)."""
         return self.views.lease(lease, who, self.clock.now())
@@ -143,10 +123,6 @@ class LeaseManager:
         req = parse_request(body)
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
         self.quotas.check_placeable(req)
-        largest = self.state.table.largest_memory
-        if req.mem_bytes and largest and req.mem_bytes > largest:
-            raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "
-                             f"{largest / 2**30:.4g}G", reason="too_large")
         now = self.clock.now()
         secret = secrets.token_urlsafe(24)
         lease = Lease(id="l-" + secrets.token_hex(6), user=who.user, uid=who.uid, request=req,
@@ -157,7 +133,7 @@ class LeaseManager:
         queue_was_empty = not len(self.state.queue) and not self._pass_queued
         self.commit(lease, Change(state=LeaseState.QUEUED))
         log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
-        self._arrived.append(lease.id)
+        self.planning.arrived.append(lease.id)
         if queue_was_empty:
             self.schedule()  # answered granted at once when it fits
         else:
@@ -165,23 +141,10 @@ class LeaseManager:
         return lease, secret
 
     def lookup(self, lease_id: str, who: Identity) -> Lease:
-        lease = self.leases.get(lease_id) or self.store.get(lease_id)
-        if lease is None:
-            raise NotFound(f"No lease {lease_id!r}")
-        if not may_see(lease, who):
-            raise Forbidden(f"Lease {lease_id!r} belongs to another user")
-        return lease
+        return self.access.lookup(lease_id, who)
 
     def list_leases(self, who: Identity, everyone: bool = False, include_ended: int = 0) -> list[Lease]:
-        if everyone and not who.admin:
-            raise Forbidden("Only admins can list every user's leases")
-        out = [lease for lease in self.leases.values() if (everyone or lease.user == who.user)]
-        if include_ended:
-            live = {lease.id for lease in out}
-            for lease in self.store.recent(None if everyone else who.user, include_ended):
-                if lease.id not in live and lease.state.terminal:
-                    out.append(lease)
-        return sorted(out, key=lambda lease: lease.seq)
+        return self.access.list(who, everyone, include_ended)
 
     def release(self, lease_id: str, who: Identity, reason: str = "released") -> Lease:
         lease = self.lookup(lease_id, who)
@@ -207,7 +170,7 @@ class LeaseManager:
         return lease
 
     def renew(self, lease_id: str, who: Identity, duration: Any) -> Lease:
-        lease = self._own_live(lease_id, who)
+        lease = self.access.own_live(lease_id, who)
         seconds = parse_duration(duration, "duration_seconds") if duration is not None else lease.duration_seconds
         if seconds <= 0:
             raise BadRequest(f"Invalid duration_seconds {duration!r}: must be > 0")
@@ -227,7 +190,7 @@ class LeaseManager:
         return lease
 
     def heartbeat(self, lease_id: str, who: Identity, active: bool = False) -> Lease:
-        lease = self._own_live(lease_id, who)
+        lease = self.access.own_live(lease_id, who)
         now = self.clock.now()
         self.commit(lease, Change(last_heartbeat=now))
         if active and lease.state in HOLDING:
@@ -237,37 +200,15 @@ class LeaseManager:
     def attach(self, lease_id: str, who: Identity, pid: Any) -> Lease:
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
             raise BadRequest(f"Invalid pid {pid!r}: give the process id of a process you own")
-        lease = self._own_live(lease_id, who)
+        lease = self.access.own_live(lease_id, who)
         info = self.enforcer.check_attach(pid, who)
         self.enforcer.remember(lease.id, {pid: info.start_ticks})
         self.commit(lease, Change(attach=(pid, info.start_ticks)))
         return lease
 
-    def _own_live(self, lease_id: str, who: Identity) -> Lease:
-        lease = self.lookup(lease_id, who)
-        if lease.user != who.user and not who.admin:
-            raise Forbidden(f"Lease {lease_id!r} belongs to another user")
-        if lease.state.terminal:
-            raise InvalidTransition(f"Lease {lease_id} has ended ({lease.state.value}: {lease.reason})",
-                                    extra={"state": lease.state.value})
-        return lease
-
     async def wait(self, lease: Lease, timeout: float) -> Lease:
         """Wait until a queued lease is granted or ends, at most ``timeout`` seconds."""
-        if lease.state != LeaseState.QUEUED or timeout <= 0:
-            return lease
-        fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(lease.id, []).append(fut)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
-            return lease
-        finally:
-            waiters = self._waiters.get(lease.id)
-            if waiters and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    self._waiters.pop(lease.id, None)
+        return await self.waiters.wait(lease, timeout)
 
     # ------------------------------------------------------------------ the one mutation path
     def commit(self, lease: Lease, change: Change) -> None:
@@ -309,9 +250,7 @@ class LeaseManager:
                                 change=change.event or lease.state.value,
                                 previous=before.value if before is not None else None)
         if before == LeaseState.QUEUED and change.state is not None:
-            for fut in self._waiters.pop(lease.id, []):
-                if not fut.done():
-                    fut.set_result(lease)
+            self.waiters.left_queue(lease)
         if change.devices is not None or (before in HOLDING) != (lease.state in HOLDING):
             self.gpus_changed()
 
@@ -364,63 +303,19 @@ class LeaseManager:
 
     def replan(self) -> None:
         """The policy, the reservations or the GPUs changed: the next pass (soon) is a full one."""
-        self._full_due = True
+        self.planning.full_due = True
         self.schedule_soon()
 
     def gpus_changed(self) -> None:
-        """Publish the GPU summary: at once, or at most every GPU_EVENT_INTERVAL (the latest state wins)."""
-        if self._gpus_dirty:
-            return  # already scheduled: it will carry this change too
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (tests with a virtual clock): at once
-            self._flush_gpus()
-            return
-        self._gpus_dirty = True
-        loop.call_later(max(0.0, self._gpus_sent + GPU_EVENT_INTERVAL - time.monotonic()), self._flush_gpus)
+        self.gpu_summary.changed()
 
-    def _flush_gpus(self) -> None:
-        self._gpus_dirty, self._gpus_sent = False, time.monotonic()
-        self.events.publish("gpus", summary=self.summary())
+    def placed(self, lease: Lease, devices: tuple[str, ...] | None) -> None:
+        self.commit(lease, Change(devices=devices, event="placed"))
 
-    # ------------------------------------------------------------------ the inventory
     def set_gpus(self, gpus: list[GPU]) -> None:
         """The inventory changed (an engine's node joined or left); leases on GPUs that left are the caller's."""
         self.state.set_gpus(gpus)
-        self._full_due = True
-
-    def reconcile_inventory(self) -> None:
-        """Ask the inventory what changed in its engine and apply it."""
-        self.apply_inventory(self.inventory.reconcile(self.state.leases, self.clock.now()))
-
-    def apply_inventory(self, changes: list[InventoryChange]) -> None:
-        if not changes:
-            return
-        for change in changes:
-            if isinstance(change, GpusChanged):
-                self.set_gpus(list(change.gpus))
-            elif isinstance(change, GpusClosed):
-                self.enforcer.set_closed(dict(change.reasons))
-            elif isinstance(change, LeaseFailed):
-                lease = self.leases.get(change.lease_id)
-                if lease is not None and lease.state in HOLDING:
-                    log.error("Lease %s: %s", lease.id, change.reason)
-                    self.end(lease, LeaseState.FAILED, change.reason)
-            elif isinstance(change, LeasePlaced):
-                lease = self.leases.get(change.lease_id)
-                if lease is not None and lease.state in HOLDING:
-                    self.commit(lease, Change(devices=change.devices, event="placed"))
-        self.schedule_soon()
-        self.gpus_changed()
-
-    def _wake_inventory(self) -> None:
-        """The inventory has news (from any thread): reconcile on the event loop soon."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self.reconcile_inventory)
-            except RuntimeError:
-                pass
+        self.planning.full_due = True
 
     # ------------------------------------------------------------------ scheduling
     def _queued_pass(self) -> None:
@@ -431,38 +326,19 @@ class LeaseManager:
             log.exception("Scheduling pass failed")
 
     def schedule(self) -> int:
-        """One scheduling pass; returns the number of grants.
-
-        The event pass (a request, a release, a tick) looks at the head of the queue (``queue_depth``), the first
-        request of each shape further back and the requests that arrived since the last pass: its cost does not
-        grow with the queue. The full pass looks at every request with fresh fair-share scores and estimates
-        every start; it runs every ``full_pass_seconds`` and after ``replan()``.
-        """
+        """One scheduling pass (an event pass, or a full one when due: ``Planning.select``); returns the number
+        of grants, each applied through ``commit``."""
         now = self.clock.now()
-        q = self.state.queue
-        full = self._full_due or now - self._last_full >= self.policy.full_pass_seconds
         growable = self.planning.growable(now)
-        arrived, self._arrived = self._arrived, []
-        if not len(q) and not self.preemption.warnings and not growable:
+        if not len(self.state.queue) and not self.preemption.warnings and not growable:
+            self.planning.select(now)  # keeps the full passes' rhythm
             self.state.planned = {}
-            if full:
-                self._last_full, self._full_due = now, False
             return 0
-        if full:
-            scores = self.planning.scores(now, {p.user for p in q})
-            q.rescore(scores.__getitem__)
-            pending = list(q)
-        else:
-            depth = self.policy.queue_depth
-            pending = q.head(depth)
-            if len(q) > depth:
-                late = [p for lid in arrived if (p := q.get(lid)) is not None and (q.position(lid) or 0) > depth]
-                pending += q.in_order(q.shape_heads(depth) + late)
+        pending, full = self.planning.select(now)
         decision = schedule(pending, self.enforcer.slot_index(now), self.state.table.held_by_user, now=now,
                             **self.planning.options(now, pending, growable))
         if full:
             self.state.planned = dict(decision.planned_start)
-            self._last_full, self._full_due = now, False
         else:
             self.state.planned.update(decision.planned_start)
         for grant in decision.grants:
@@ -485,12 +361,12 @@ class LeaseManager:
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Enforce time: expiry, heartbeats, idleness, warnings, kills, drains. Then schedule."""
-        if self._loop is None:
+        if self.engine.loop is None:
             try:
-                self._loop = asyncio.get_running_loop()
+                self.engine.loop = asyncio.get_running_loop()
             except RuntimeError:
                 pass
-        self.reconcile_inventory()
+        self.engine.reconcile()
         self.enforcer.tick(self.clock.now())
         self.schedule()
 
@@ -513,17 +389,10 @@ class LeaseManager:
             else:
                 counts["holding"] += 1
         self.enforcer.restore_drains(self.store.drains())
-        owner: dict[str, str] = {}
-        for lease in list(self.state.holding()):
-            if not lease.request.shared:
-                twice = next((d for d in lease.devices if d in owner), None)
-                if twice is not None:
-                    log.error("GPU %s is held by leases %s and %s: revoking the later one", twice, owner[twice],
-                              lease.id)
-                    self.end(lease, LeaseState.FAILED, "double_grant")
-                    continue
-                owner.update((d, lease.id) for d in lease.devices)
-        self.reconcile_inventory()  # an engine's inventory (Ray) finds its placements first
-        self._full_due = True
+        for lease, gpu, other in double_grants(list(self.state.holding())):
+            log.error("GPU %s is held by leases %s and %s: revoking the later one", gpu, other, lease.id)
+            self.end(lease, LeaseState.FAILED, "double_grant")
+        self.engine.reconcile()  # an engine's inventory (Ray) finds its placements first
+        self.planning.full_due = True
         self.schedule()
         return counts

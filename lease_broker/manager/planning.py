@@ -24,6 +24,32 @@ class Planning:
                  reservations: Reservations) -> None:
         self.state, self.policy, self.placements = state, policy, placements
         self.quotas, self.usage, self.reservations = quotas, usage, reservations
+        self.arrived: list[str] = []  # queued since the last pass: the next event pass looks at them
+        self.last_full = -1e18  # when the last full pass ran
+        self.full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
+
+    def select(self, now: float) -> tuple[list[Pending], bool]:
+        """The requests the next pass looks at, in queue order, and whether it is a full pass.
+
+        The event pass (a request, a release, a tick) looks at the head of the queue (``queue_depth``), the first
+        request of each shape further back and the requests that arrived since the last pass: its cost does not
+        grow with the queue. The full pass looks at every request with fresh fair-share scores and estimates
+        every start; it runs every ``full_pass_seconds`` and when ``full_due``.
+        """
+        q = self.state.queue
+        arrived, self.arrived = self.arrived, []
+        full = self.full_due or now - self.last_full >= self.policy.full_pass_seconds
+        if full:
+            self.last_full, self.full_due = now, False
+            scores = self.scores(now, {p.user for p in q})
+            q.rescore(scores.__getitem__)
+            return list(q), True
+        depth = self.policy.queue_depth
+        pending = q.head(depth)
+        if len(q) > depth:
+            late = [p for lid in arrived if (p := q.get(lid)) is not None and (q.position(lid) or 0) > depth]
+            pending += q.in_order(q.shape_heads(depth) + late)
+        return pending, False
 
     def scores(self, now: float, users: set[str]) -> dict[str, float]:
         """Each user's fair-share score: decayed past usage divided by their weight (lower goes first)."""

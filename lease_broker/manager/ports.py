@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..core.gpu import GPU
 from ..core.lease import Lease, LeaseState
 
 
@@ -20,6 +21,12 @@ class LeaseOps(Protocol):
 
     def schedule_soon(self) -> None:
         """GPUs or policy changed: run a scheduling pass soon (once for all changes of this loop iteration)."""
+
+    def placed(self, lease: Lease, devices: tuple[str, ...] | None) -> None:
+        """An engine placed a granted lease (on ``devices`` when it chose others than the broker)."""
+
+    def set_gpus(self, gpus: list[GPU]) -> None:
+        """The inventory's GPUs changed (a node joined or left)."""
 
     def replan(self) -> None:
         """The policy or the reservations changed: the next pass (soon) is a full one over the whole queue."""

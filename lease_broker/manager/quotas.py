@@ -46,7 +46,11 @@ class Quotas:
         return budget
 
     def check_placeable(self, req: LeaseRequest) -> None:
-        """Refuse a gang that no node can ever hold (it would wait forever)."""
+        """Refuse a gang that no node can ever hold, or more memory than any GPU has (it would wait forever)."""
+        largest = self.state.table.largest_memory
+        if req.mem_bytes and largest and req.mem_bytes > largest:
+            raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "
+                             f"{largest / 2**30:.4g}G", reason="too_large")
         if req.shared or req.locality != "node":
             return
         biggest = self.state.table.biggest_node

@@ -20,3 +20,18 @@ def load_live(store: Store, now: float) -> list[tuple[Lease, dict[int, int]]]:
         lease.pids = sorted(alive)
         out.append((lease, alive))
     return out
+
+
+def double_grants(holding: list[Lease]) -> list[tuple[Lease, str, str]]:
+    """Leases (in arrival order) holding an exclusive GPU that an earlier lease holds: (lease, GPU, earlier)."""
+    owner: dict[str, str] = {}
+    out = []
+    for lease in holding:
+        if lease.request.shared:
+            continue
+        twice = next((d for d in lease.devices if d in owner), None)
+        if twice is not None:
+            out.append((lease, twice, owner[twice]))
+        else:
+            owner.update((d, lease.id) for d in lease.devices)
+    return out

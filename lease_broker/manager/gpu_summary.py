@@ -1,0 +1,36 @@
+"""The ``gpus`` event: the GPU summary (counts by state), published at most every ``GPU_EVENT_INTERVAL``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .events import EventBus
+
+#: The GPU summary is published at most this often: at once after a quiet spell, then on the trailing edge.
+#: A busy broker would otherwise rebuild it twice per grant and release.
+GPU_EVENT_INTERVAL = 0.1
+
+
+class GpuSummary:
+    def __init__(self, events: EventBus, summary: Callable[[], dict[str, Any]]) -> None:
+        self.events, self.summary = events, summary
+        self._dirty, self._sent = False, -1e9
+
+    def changed(self) -> None:
+        """Publish the summary: at once, or at most every GPU_EVENT_INTERVAL (the latest state wins)."""
+        if self._dirty:
+            return  # already scheduled: it will carry this change too
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (tests with a virtual clock): at once
+            self._flush()
+            return
+        self._dirty = True
+        loop.call_later(max(0.0, self._sent + GPU_EVENT_INTERVAL - time.monotonic()), self._flush)
+
+    def _flush(self) -> None:
+        self._dirty, self._sent = False, time.monotonic()
+        self.events.publish("gpus", summary=self.summary())
