@@ -88,3 +88,30 @@ def test_a_failed_cell_prints_its_summary_and_leaves_a_trail(kernel_factory, bro
     assert log.startswith("before the error\n")
     assert "Traceback (most recent call last)" in log and "x = 1 / 0" in log
     assert log.rstrip().endswith("ZeroDivisionError: division by zero")
+
+
+def test_interrupting_the_python_apis_wait_cancels_in_one_line(broker_factory, kernel_factory) -> None:
+    b = broker_factory(gpus=1, args=["--tick=0.1"], name="api")
+    c = b.client()
+    held = c.request_lease(1, heartbeat=False)
+    k = kernel_factory(b)
+    msg_id = k.submit("import jupyter_gpulease\nwith jupyter_gpulease.lease(1) as held:\n    print('never')")
+    queued = wait_for(lambda: c.queue(), 10, "the request to queue")
+    time.sleep(0.3)
+    k.km.interrupt_kernel()
+    r = k.collect(msg_id)
+    assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
+    assert r.error["traceback"][0].startswith("lease(1): cancelled after ") and len(r.error["traceback"]) == 1
+    assert c.lease(queued[0]["lease_id"])["state"] == "cancelled"
+    c.release(held["id"])
+
+
+def test_a_bad_broker_address_is_one_line_naming_the_variable(broker, tmp_path: Path) -> None:
+    k = Kernel("foo://x", str(tmp_path / "artifacts"))
+    try:
+        r = k.run("%%gpu\nprint('ran')")
+        assert r.error is not None and r.error["ename"] == "UsageError"
+        assert r.error["evalue"] == ("%%gpu: GPULEASE_BROKER='foo://x' is not a broker address: use "
+                                     "unix:///path/to.sock or http://host:port")
+    finally:
+        k.stop()
