@@ -87,7 +87,11 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
 
     An interrupt while queued raises ``QueueCancelled`` (a ``KeyboardInterrupt``) with one line saying so.
     """
-    lease = client.request_lease(**request)
+    try:
+        lease = client.request_lease(**request)
+    except KeyboardInterrupt:
+        raise _interrupted()(f"{label.split()[0]}: interrupted before the broker answered the request (`%gpu leases` "
+                             "shows whether it was queued)") from None
     if lease.state == "granted":
         return lease
     start = time.monotonic()

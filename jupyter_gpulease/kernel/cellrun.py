@@ -302,6 +302,7 @@ class LeaseRun:
         """
         self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
         self.status = "running"
+        self.error = None
         if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
             self._pending.append(_IO.submit(self._attach, worker))  # in flight while the job starts
@@ -317,7 +318,8 @@ class LeaseRun:
                 result = drive(worker, msg, self.logging_sinks(sinks), grace, self.take_notices)
             except WorkerCrashed as e:
                 self.exit_status = e.status
-                stopped = self.stopped_by() if e.status == -signal.SIGTERM else ""
+                # the broker stops a released lease's processes: SIGTERM, then SIGKILL after its grace
+                stopped = self.stopped_by() if e.status in (-signal.SIGTERM, -signal.SIGKILL) else ""
                 if stopped:  # not a crash: someone ended the lease, and the broker stopped its processes
                     self.status = "stopped"
                     err = cell_error("LeaseEnded", stopped, f"{job.header.split()[0] if job.header else 'gpulease'}"
