@@ -140,7 +140,9 @@ class BrokerClient:
             self._unix = None
             self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
         else:
-            raise ValueError(f"Unsupported broker URL {self.url!r}: use unix:///path/to.sock or http://host:port")
+            where = "the broker URL" if url else "GPULEASE_BROKER" if os.environ.get("GPULEASE_BROKER") else "the broker URL"
+            raise ValueError(f"{where}={self.url!r} is not a broker address: use unix:///path/to.sock or "
+                             "http://host:port")
         self._local = threading.local()
 
     # ---------------------------------------------------------------- transport

@@ -47,19 +47,66 @@ def status_text(url: str, status: dict[str, Any]) -> str:
     reserved = f", {s['states']['reserved']} reserved" if s["states"].get("reserved") else ""
     lines = [f"Broker {info['version']} at {url}{sim}: {s['free']}/{s['total']} GPUs free{reserved}, "
              f"{s['queued']} queued"]
-    rows = []
-    for g in status["gpus"]:
-        holders = ", ".join(h["user"] + ("" if h["fraction"] == 1 else f" ({h['fraction']:g})") for h in g["holders"])
-        rows.append([g["node"], g["index"], g["name"] + (" [sim]" if g["simulated"] else ""),
-                     f"{fmt_bytes(g['memory_used'])}/{fmt_bytes(g['memory_total'])}", f"{g['utilization']:.0f}%",
-                     _gpu_state(g), holders])
-    lines.append(table(["NODE", "IDX", "NAME", "MEMORY", "UTIL", "STATE", "HELD BY"], rows))
+    lines.append(gpus_table(status["gpus"]))
     if status["queue"]:
         lines.append("")
         lines.append(queue_table(status["queue"]))
     if status["reservations"]:
         lines.append("")
         lines.append(reservations_table(status["reservations"]))
+    return "\n".join(lines)
+
+
+def gpus_table(gpus: list[dict[str, Any]]) -> str:
+    """The GPUs (``BrokerClient.gpus()["gpus"]``): node, index, name, memory, utilisation, state, holders."""
+    if not gpus:
+        return "No GPUs."
+    rows = []
+    for g in gpus:
+        holders = ", ".join(h["user"] + ("" if h["fraction"] == 1 else f" ({h['fraction']:g})") for h in g["holders"])
+        rows.append([g["node"], g["index"], g["name"] + (" [sim]" if g["simulated"] else ""),
+                     f"{fmt_bytes(g['memory_used'])}/{fmt_bytes(g['memory_total'])}", f"{g['utilization']:.0f}%",
+                     _gpu_state(g), holders])
+    return table(["NODE", "IDX", "NAME", "MEMORY", "UTIL", "STATE", "HELD BY"], rows)
+
+
+def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | None = None) -> str:
+    """One lease (``gpulease show``): its fields with local times and durations, then its history."""
+    now = time.time() if now is None else now
+
+    def when(t: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+    devs = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in lease.devices) or "-"
+    end = lease.ended_at or now
+    rows: list[list[Any]] = [
+        ["lease", lease.id],
+        ["user", lease.user],
+        ["state", f"{lease.state} ({lease.reason})" if lease.reason else lease.state],
+        ["gpus", f"{lease_gpus(lease)} [{devs}]" + (" (simulated)" if lease.simulated else "")],
+        ["priority", lease.priority],
+        ["requested", when(lease.created_at)],
+    ]
+    if lease.state == "queued":
+        rows.append(["position", f"{lease.position or '?'}, waited {fmt_duration(now - lease.created_at)}"])
+    if lease.granted_at:
+        rows.append(["granted", f"{when(lease.granted_at)} (queued {fmt_duration(lease.granted_at - lease.created_at)})"])
+    if lease.expires_at and not lease.ended_at:
+        rows.append(["expires", f"{when(lease.expires_at)} (in {fmt_duration(lease.expires_at - now)})"])
+    if lease.ended_at:
+        held = f" (held {fmt_duration(end - lease.granted_at)})" if lease.granted_at else ""
+        rows.append(["ended", when(lease.ended_at) + held])
+    rows.append(["time limit", fmt_duration(lease.duration_seconds) if lease.duration_seconds else "-"])
+    rows.append(["idle timeout", fmt_duration(lease.idle_timeout_seconds) if lease.idle_timeout_seconds else "-"])
+    if lease.labels:
+        rows.append(["labels", ", ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))])
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if history:
+        start = history[0]["at"]
+        hist = [[when(h["at"]), "+" + fmt_duration(h["at"] - start), f"{h.get('from') or '-'} -> {h['to']}",
+                 h.get("reason") or ""] for h in history]
+        lines += ["", table(["TIME", "AFTER", "TRANSITION", "REASON"], hist)]
     return "\n".join(lines)
 
 

@@ -21,6 +21,26 @@ class LeaseUnavailable(Exception):
     """No lease: refused by policy, cancelled, or not granted within --wait."""
 
 
+class QueueCancelled(KeyboardInterrupt):
+    """An interrupt while queued: the request was withdrawn.
+
+    Still a ``KeyboardInterrupt`` (the cell counts as interrupted, Run All stops), but IPython shows only its one
+    line (``_render_traceback_``), not the frames of the HTTP call the interrupt happened to land in.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def _render_traceback_(self) -> list[str]:
+        return [self.message]
+
+
+def _interrupted() -> type[QueueCancelled]:
+    """``QueueCancelled`` under the name a notebook shows for an interrupt (the error's ename)."""
+    return type("KeyboardInterrupt", (QueueCancelled,), {"__module__": "gpu"})
+
+
 class WaitDisplay:
     """Queue position, time waited and the estimate: a widget in a notebook, a text line elsewhere."""
 
@@ -63,26 +83,38 @@ class WaitDisplay:
 
 
 def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> LeaseView:
-    """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout."""
-    lease = client.request_lease(**request)
+    """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout.
+
+    An interrupt while queued raises ``QueueCancelled`` (a ``KeyboardInterrupt``) with one line saying so.
+    """
+    try:
+        lease = client.request_lease(**request)
+    except KeyboardInterrupt:
+        raise _interrupted()(f"{label.split()[0]}: interrupted before the broker answered the request (`%gpu leases` "
+                             "shows whether it was queued)") from None
     if lease.state == "granted":
         return lease
     start = time.monotonic()
     display: WaitDisplay | None = None
     granted = False
     try:
-        while lease.state == "queued":
-            waited = time.monotonic() - start
-            if max_wait is not None and waited >= max_wait:
-                raise LeaseUnavailable(
-                    f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.position} in the "
-                    "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
-                )
-            if display is None:
-                display = WaitDisplay(label)
-            display.update(lease, waited)
-            poll = 1.0 if max_wait is None else max(0.05, min(1.0, max_wait - waited))
-            lease = client.lease(lease.id, wait=poll)
+        try:
+            while lease.state == "queued":
+                waited = time.monotonic() - start
+                if max_wait is not None and waited >= max_wait:
+                    raise LeaseUnavailable(
+                        f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.position} in the "
+                        "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
+                    )
+                if display is None:
+                    display = WaitDisplay(label)
+                display.update(lease, waited)
+                poll = 1.0 if max_wait is None else max(0.05, min(1.0, max_wait - waited))
+                lease = client.lease(lease.id, wait=poll)
+        except KeyboardInterrupt:  # withdrawn in ``finally``; one line instead of the HTTP call's frames
+            where = f" (was position {lease.position})" if lease.position else ""
+            raise _interrupted()(f"{label.split()[0]}: cancelled after {fmt_duration(time.monotonic() - start)} "
+                                 f"in the queue{where}") from None
         if not lease.holding:
             raise LeaseUnavailable(f"Lease {lease.id} ended while queued: {lease.state} ({lease.reason})")
         granted = True

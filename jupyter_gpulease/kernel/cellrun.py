@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,8 @@ class CellError(Exception):
     def __init__(self, ename: str, evalue: str, traceback_text: str) -> None:
         super().__init__(evalue)
         self.ename, self.evalue, self.traceback_text = ename, evalue, traceback_text
+        #: the run so far (lease, wall time, artifacts), for the summary line of a failed cell
+        self.outcome: Outcome | None = None
 
     def _render_traceback_(self) -> list[str]:
         return self.traceback_text.rstrip("\n").split("\n")
@@ -214,6 +217,7 @@ class LeaseRun:
         self.code_hashes: list[str] = []
         self.exit_status: int | None = None
         self.status = "running"
+        self.error: dict[str, str] | None = None  # the last failed job's exception: {type, message}
         self._pending: list[Future[None]] = []
         self._attached: set[int] = set()
         self._reapers: list[threading.Thread] = []
@@ -261,6 +265,20 @@ class LeaseRun:
             return f"an admin revoked the lease ({reason[6:]})"
         return f"the lease was {state} ({reason})"
 
+    def stopped_by(self) -> str:
+        """For a worker that died because its owner released the lease (``gpulease release``, the sidebar,
+        ``%gpu release``) while the cell ran: one line saying who and how; else ''. (An admin's revocation stays
+        a ``WorkerCrashed`` naming the admin's reason, see ``ended_why``.)"""
+        try:
+            view = self.client.lease(self.lease.id)
+        except Exception:
+            return ""
+        if view.state != "released":
+            return ""
+        how = view.reason[len("released"):].strip() if view.reason.startswith("released") else view.reason
+        return (f"lease {view.id} was released by {view.user or 'its owner'}" + (f" {how}" if how else "")
+                + " while the cell ran: the cell was stopped")
+
     def env(self) -> dict[str, str]:
         return lease_env(self.lease, self.artifacts)
 
@@ -284,6 +302,7 @@ class LeaseRun:
         """
         self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
         self.status = "running"
+        self.error = None
         if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
             self._pending.append(_IO.submit(self._attach, worker))  # in flight while the job starts
@@ -298,20 +317,32 @@ class LeaseRun:
             try:
                 result = drive(worker, msg, self.logging_sinks(sinks), grace, self.take_notices)
             except WorkerCrashed as e:
-                self.status = "crashed"
                 self.exit_status = e.status
-                why = self.ended_why()
-                text = f"{e}: {why}" if why else str(e)
-                raise cell_error("WorkerCrashed", text, f"WorkerCrashed: {text}") from None
+                # the broker stops a released lease's processes: SIGTERM, then SIGKILL after its grace
+                stopped = self.stopped_by() if e.status in (-signal.SIGTERM, -signal.SIGKILL) else ""
+                if stopped:  # not a crash: someone ended the lease, and the broker stopped its processes
+                    self.status = "stopped"
+                    err = cell_error("LeaseEnded", stopped, f"{job.header.split()[0] if job.header else 'gpulease'}"
+                                                            f": {stopped}")
+                else:
+                    self.status = "crashed"
+                    why = self.ended_why()
+                    text = f"{e}: {why}" if why else str(e)
+                    err = cell_error("WorkerCrashed", text, f"WorkerCrashed: {text}")
+                raise self._failed(err, outcome, t0) from None
             except KeyboardInterrupt:
                 self.status = "interrupted"
+                self.error = {"type": "KeyboardInterrupt", "message": "interrupted"}
                 raise
             self.status = "ok" if result["status"] == "ok" else "error"
             outcome.wall = time.monotonic() - t0
             if single_use:
                 self._reap(worker, release)
                 reaped = True
-            finish_result(result, outcome)
+            try:
+                finish_result(result, outcome)
+            except CellError as e:
+                raise self._failed(e, outcome, t0) from None
             return outcome
         finally:
             if msg is not None:
@@ -323,6 +354,18 @@ class LeaseRun:
                 worker.close()
             elif not single_use:
                 self.heartbeater.set_active(self.lease.id, False)
+
+    def _failed(self, err: CellError, outcome: Outcome, t0: float) -> CellError:
+        """Note a failed job: its traceback in ``output.log``, its type and message for ``meta.json``, the run so
+        far on the error (for the cell's summary line)."""
+        self.error = {"type": err.ename, "message": err.evalue}
+        outcome.wall = outcome.wall or time.monotonic() - t0
+        err.outcome = outcome
+        try:
+            self.artifacts.log(err.traceback_text.rstrip("\n") + "\n")
+        except Exception:
+            pass
+        return err
 
     def _attach(self, worker: Worker) -> None:
         try:
@@ -377,6 +420,7 @@ class LeaseRun:
             "wall_seconds": round(time.monotonic() - self.t0, 6),
             "queued_seconds": round(self.queued, 6),
             "status": status,
+            "error": self.error,
             "exit_status": self.exit_status,
             "code_sha256": self.code_hashes,
         }
@@ -386,7 +430,8 @@ class LeaseRun:
             print(f"gpulease: could not write artifacts to {self.artifacts.url}: {e}", file=sys.stderr)
 
 
-def summary_line(outcome: Outcome) -> str:
+def summary_line(outcome: Outcome, failed: str = "") -> str:
+    """The one line after a cell: lease, GPUs, wall time, time queued, artifacts. ``failed``: the error's type."""
     from ..tables import fmt_duration
 
     lease = outcome.lease
@@ -395,5 +440,6 @@ def summary_line(outcome: Outcome) -> str:
     frac = lease.fraction or 1.0
     n = f"{frac:g} GPU" if frac < 1 else f"{len(devs)} GPU{'s' if len(devs) != 1 else ''}"
     sim = " (simulated)" if lease.simulated else ""
-    return (f"gpulease: lease {lease.id} · {n} [{what}]{sim} · ran {fmt_duration(outcome.wall)} · "
+    ran = f"failed ({failed}) after {fmt_duration(outcome.wall)}" if failed else f"ran {fmt_duration(outcome.wall)}"
+    return (f"gpulease: lease {lease.id} · {n} [{what}]{sim} · {ran} · "
             f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}")

@@ -8,6 +8,7 @@ Options are traitlets: ``c.GpuMagics.preload = ["numpy", "torch"]`` and so on.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from ..executors.local import LocalExecutor, WarmPool
 from ..tables import fmt_duration, leases_table, queue_table, status_text, table
 from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
-from .cellrun import Job, LeaseRun, default_sinks, summary_line
+from .cellrun import CellError, Job, LeaseRun, default_sinks, summary_line
 from .sessions import Session, Sessions
 
 LINE_COMMANDS = """
@@ -155,7 +156,7 @@ class GpuMagics(Magics):
         """Run this cell on leased GPUs, in a worker that sees only them; release them when it ends."""
         if cell is None:
             return self._line(line)
-        args = parse_argstring(self.gpu, line)
+        args = parse_argstring(self.gpu, negative_values(line))
         opts = self._options(args)
         if not cell.strip():
             raise UsageError("%%gpu: the cell is empty")
@@ -175,10 +176,15 @@ class GpuMagics(Magics):
         job = Job("cell", cell, self._cell_name(), sel.send, _names(args.out), header=f"%%gpu {line}".rstrip())
         if args.bg:
             return self._background(args.bg, opts, job)
-        if args.session:
-            outcome = self._in_session(args.session, opts, job)
-        else:
-            outcome = self._once(opts, job)
+        try:
+            if args.session:
+                outcome = self._in_session(args.session, opts, job)
+            else:
+                outcome = self._once(opts, job)
+        except CellError as e:  # a failed cell also says where it ran and where its log is
+            if self.show_summary and e.outcome is not None:
+                print(summary_line(e.outcome, failed=e.ename))
+            raise
         self._sh.user_ns.update(outcome.outputs)
         if self.show_summary:
             print(summary_line(outcome))
@@ -213,7 +219,7 @@ class GpuMagics(Magics):
         t0 = time.monotonic()
         try:
             lease = acquire(self.client, opts["request"], opts["wait"], f"%%gpu {opts['gpus']}")
-        except (BrokerError, BrokerUnreachable, LeaseUnavailable) as e:
+        except (BrokerError, BrokerUnreachable, LeaseUnavailable, ValueError) as e:  # ValueError: the broker URL
             raise UsageError(f"%%gpu: {e}") from None
         return lease, time.monotonic() - t0
 
@@ -280,6 +286,8 @@ class GpuMagics(Magics):
                     display(outcome.value)
             except BaseException as e:  # report in the launching cell; never kill the kernel's thread silently
                 entry.state, entry.error = "failed", str(e)
+                if self.show_summary and getattr(e, "outcome", None) is not None:
+                    print(f"[{name}] " + summary_line(e.outcome, failed=e.ename), flush=True)  # type: ignore[attr-defined]
                 text = e._render_traceback_() if hasattr(e, "_render_traceback_") else [f"{type(e).__name__}: {e}"]
                 print(f"[{name}] failed:\n" + "\n".join(text), file=sys.stderr, flush=True)
             finally:
@@ -297,13 +305,15 @@ class GpuMagics(Magics):
             if cmd == "status":
                 print(status_text(self.client.url, self.client.status()))
             elif cmd == "leases":
-                print(leases_table(self.client.leases(ended=int(rest[0]) if rest else 0)))
+                leases = self.client.leases(ended=int(rest[0]) if rest else 0)
+                print(leases_table(leases) if leases else "No leases." + ("" if rest else " (`%gpu leases 10` also "
+                                                                           "lists the last 10 ended ones)"))
             elif cmd == "queue":
                 q = self.client.queue()
                 print(queue_table(q) if q else "The queue is empty.")
             elif cmd == "release" and rest:
                 for lease_id in rest:
-                    self.client.release(lease_id)
+                    self.client.release(lease_id, "released with the line magic gpu release")
                     print(f"released {lease_id}")
             elif cmd == "sessions":
                 rows = self.sessions.rows()
@@ -337,6 +347,16 @@ class GpuMagics(Magics):
         self.sessions.stop_all()
         for executor in self.executors.values():
             executor.shutdown()
+
+
+#: options whose value may look like a negative number (``--time -5m``): argparse would take it for an option
+VALUE_OPTIONS = ("--time", "--idle", "--mem", "--wait", "--grace")
+_NEGATIVE = re.compile(r"(?<!\S)(" + "|".join(VALUE_OPTIONS) + r")\s+(-[\d.]\S*)")
+
+
+def negative_values(line: str) -> str:
+    """``--time -5m`` as ``--time=-5m``, so a negative value gets the option's own clear error."""
+    return _NEGATIVE.sub(r"\1=\2", line)
 
 
 def _names(text: str) -> list[str]:

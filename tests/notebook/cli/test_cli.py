@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 
 def gpulease(broker, *args, check=True):
@@ -45,3 +46,66 @@ def test_errors_are_one_line_and_nonzero(broker, tmp_path):
     env = {**os.environ, "GPULEASE_BROKER": f"unix://{tmp_path}/none.sock"}
     r = subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", "status"], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "lease-broker --inventory=simulated" in r.stderr
+
+
+def test_json_before_or_after_the_command(broker):
+    for args in (("--json", "leases"), ("leases", "--json"), ("gpus", "--json"), ("queue", "--json")):
+        r = gpulease(broker, *args)
+        assert isinstance(json.loads(r.stdout), (list, dict)), args
+    lease = json.loads(gpulease(broker, "request", "1", "--json").stdout)
+    assert lease["state"] == "granted"
+    shown = json.loads(gpulease(broker, "show", lease["id"], "--json").stdout)
+    assert shown["id"] == lease["id"] and shown["history"]
+    gpulease(broker, "release", lease["id"], "--json")
+
+
+def test_gpus_and_show_are_readable_tables(broker):
+    out = gpulease(broker, "gpus").stdout
+    assert out.splitlines()[0].split()[:3] == ["NODE", "IDX", "NAME"] and out.count("[sim]") == 4
+    assert "{" not in out
+    lease_id = gpulease(broker, "request", "2", "--time", "30m").stdout.split()[0]
+    gpulease(broker, "release", lease_id)
+    out = gpulease(broker, "show", lease_id).stdout
+    assert "{" not in out and '"' not in out
+    assert out.splitlines()[0].split() == ["lease", lease_id]
+    assert "released" in out and "time limit" in out and "30m00s" in out
+    assert "TRANSITION" in out and "queued -> granted" in out and "granted -> released" in out
+    assert time.strftime("%Y-%m-%d") in out  # local times, not epoch seconds
+
+
+def test_request_wait_that_times_out_cancels_and_fails(broker):
+    held = json.loads(gpulease(broker, "request", "4", "--json").stdout)
+    r = gpulease(broker, "request", "1", "--wait", "1", check=False)
+    assert r.returncode == 1
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("gpulease: no GPU within --wait 1.0s") and "cancelled" in line and "--queue" in line
+    assert "Traceback" not in r.stderr
+    assert json.loads(gpulease(broker, "queue", "--json").stdout) == []
+    ended = json.loads(gpulease(broker, "leases", "--ended", "5", "--json").stdout)
+    assert any(x["state"] == "cancelled" for x in ended)
+    r = gpulease(broker, "request", "1", "--wait", "1", "--queue")
+    assert "queued (position 1)" in r.stdout
+    assert len(json.loads(gpulease(broker, "queue", "--json").stdout)) == 1
+    gpulease(broker, "release", held["id"])
+
+
+def test_user_errors_are_one_line_naming_the_option(broker):
+    for args in (("request", "1", "--time=-5m"), ("request", "1", "--time", "-5m"), ("request", "--idle", "-1"),
+                 ("request", "--time", "soon")):
+        r = gpulease(broker, *args, check=False)
+        opt = "--time" if "--time" in " ".join(args) else "--idle"
+        assert r.returncode == 1, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"gpulease: Invalid {opt} "), (args, r.stderr)
+        assert "duration_seconds" not in r.stderr and "idle_timeout_seconds" not in r.stderr
+    r = gpulease(broker, "request", "1", "--time", "-5m", check=False)
+    assert "'-5m'" in r.stderr
+    env = {**os.environ, "GPULEASE_BROKER": "foo://x"}
+    r = subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", "status"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "GPULEASE_BROKER='foo://x'" in r.stderr and "unix://" in r.stderr and "http://" in r.stderr
+
+
+def test_empty_lists_say_so(broker):
+    assert gpulease(broker, "leases").stdout.strip() == "No leases."
+    assert gpulease(broker, "queue").stdout.strip() == "The queue is empty."

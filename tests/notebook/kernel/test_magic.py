@@ -307,3 +307,16 @@ def test_artifacts_to_an_fsspec_url(kernel: Kernel) -> None:
         "print(sorted(a.files), a.log.strip(), a.meta['status'])"
     )
     assert r.stdout.strip() == "['meta.json', 'output.log', 'w.txt'] to memory ok", r.outputs
+
+
+def test_negative_values_and_empty_lists_are_answered_clearly(kernel: Kernel) -> None:
+    for line in ("%%gpu 1 --time -5m", "%%gpu 1 --time=-5m", "%%gpu --idle -1"):
+        r = kernel.run(f"{line}\nprint('ran')")
+        assert r.error is not None and r.error["ename"] == "UsageError", (line, r.error)
+        opt = "--idle" if "--idle" in line else "--time"
+        assert r.error["evalue"].startswith(f"%%gpu: Invalid {opt} '-"), (line, r.error["evalue"])
+        assert "ran" not in r.stdout
+    assert kernel.run("%gpu leases").stdout.startswith("No leases.")
+    r = kernel.run("%%gpu\nprint('once')")
+    assert r.status == "ok"
+    assert "LEASE" in kernel.run("%gpu leases 5").stdout
