@@ -1,6 +1,6 @@
 """Reliability: the fault, security and fuzz tests run, and what they measured, as figures.
 
-Runs ``tests/test_faults.py``, ``tests/test_security.py`` and the schemathesis test of
+Runs ``tests/broker/service/test_faults.py``, ``tests/broker/service/test_security.py`` and the schemathesis test of
 ``tests/test_openapi.py`` with pytest (the fuzzer with ``GPULEASE_FUZZ_EXAMPLES`` examples per operation
 and mode), collects what the tests record (``GPULEASE_RELIABILITY_LOG``, ``GPULEASE_FUZZ_STATS``) and the
 load run of the same invocation (``--only load --only reliability``; alone it runs a 10 s load itself).
@@ -49,8 +49,8 @@ def run(opts: Any) -> list[Figure]:
     log, fuzz = os.path.join(tmp, "faults.jsonl"), os.path.join(tmp, "fuzz.json")
     examples = "10" if quick else os.environ.get("GPULEASE_FUZZ_EXAMPLES", "100")
     env = {"GPULEASE_RELIABILITY_LOG": log, "GPULEASE_FUZZ_STATS": fuzz, "GPULEASE_FUZZ_EXAMPLES": examples}
-    faults = _pytest(["tests/test_faults.py"], env, os.path.join(tmp, "f.xml"))
-    security = _pytest(["tests/test_security.py"], env, os.path.join(tmp, "s.xml"))
+    faults = _pytest(["tests/broker/service/test_faults.py"], env, os.path.join(tmp, "f.xml"))
+    security = _pytest(["tests/broker/service/test_security.py"], env, os.path.join(tmp, "s.xml"))
     fuzzed = _pytest(["tests/test_openapi.py::test_generated_requests_get_documented_answers"], env,
                      os.path.join(tmp, "z.xml"))
     records = [json.loads(line) for line in Path(log).read_text().splitlines()] if os.path.exists(log) else []
@@ -68,7 +68,7 @@ def run(opts: Any) -> list[Figure]:
     figures.append(figure(
         "fault tests survived", "tests", [float(_count(fc, "passed"))], "fault tests run", [float(len(fc))],
         bar=("min", ">=", float(len(fc) - _count(fc, "skipped"))) if fc else ("min", ">=", 1.0),
-        note="real broker, kernels and processes (tests/test_faults.py): " + "; ".join(lines)
+        note="real broker, kernels and processes (tests/broker/service/test_faults.py): " + "; ".join(lines)
              + (f". Failed: {[c['name'] for c in fc if c['outcome'] == 'failed']}" if _count(fc, "failed") else "")))
     figures.append(figure(
         "leases lost or granted twice across the faults", "leases", [float(lost + doubles)], "none", [],
@@ -92,7 +92,7 @@ def run(opts: Any) -> list[Figure]:
     figures.append(figure(
         "security and bad-input tests passed", "tests", [float(_count(sc, "passed"))], "security tests run",
         [float(len(sc))], bar=("min", ">=", float(len(sc) - _count(sc, "skipped"))) if sc else ("min", ">=", 1.0),
-        note=f"tests/test_security.py: a second Unix user, admins, file modes, secrets in logs, recycled pids, "
+        note=f"tests/broker/service/test_security.py: a second Unix user, admins, file modes, secrets in logs, recycled pids, "
              f"{sum(1 for c in sc if c['name'].startswith('test_absurd_api_input'))} absurd API bodies, absurd "
              "%%gpu arguments"
              + (f". Failed: {[c['name'] for c in sc if c['outcome'] == 'failed']}" if _count(sc, "failed") else "")))

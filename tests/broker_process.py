@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -95,3 +96,23 @@ def scrape_metrics(socket_path: str) -> str:
     conn = Conn("localhost")
     conn.request("GET", "/metrics")
     return conn.getresponse().read().decode()
+
+
+def raw_request(sock_path: str, data: bytes) -> tuple[int, dict]:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sock_path)
+    s.sendall(data)
+    buf = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if b"\r\n\r\n" in buf:
+            head, _, body = buf.partition(b"\r\n\r\n")
+            length = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0])
+            if len(body) >= length:
+                break
+    s.close()
+    head, _, body = buf.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)

@@ -46,7 +46,7 @@ def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator:
     """A real local Ray cluster (head 127.0.0.2 with 4 declared GPUs, 127.0.0.3 with 2), started once and
-    shared by every test that uses Ray (tests/test_ray.py, the inventory contract)."""
+    shared by every test that uses Ray (tests/broker/inventory/test_ray.py, the inventory contract)."""
     from ray_cluster import local_ray_cluster, ray_missing
 
     why = ray_missing()
@@ -59,7 +59,7 @@ def ray_cluster() -> Iterator:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator:
     """A real Slurm (munged, slurmctld, slurmd n1 with 4 fake GPUs and n2 with 2) under a temporary directory,
-    started once and shared by every test that uses Slurm (tests/test_slurm.py, the inventory contract)."""
+    started once and shared by every test that uses Slurm (tests/broker/inventory/test_slurm.py, the inventory contract)."""
     from slurm_cluster import local_slurm_cluster, slurm_missing
 
     why = slurm_missing()

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_broker_process import in_child
+from users import in_child
 
 from jupyter_gpulease.executors.base import WorkerCrashed
 from jupyter_gpulease.executors.local import LocalWorker as Worker

@@ -12,7 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from broker_process import scrape_metrics
+from broker_process import raw_request, scrape_metrics
+from users import SECOND_USER, as_user, second_user  # noqa: F401  (fixture)
 from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
@@ -166,26 +167,6 @@ def test_kill9_restart_keeps_every_lease_and_grants_nothing_twice(broker_factory
     assert len(devices) == len(set(devices)) == 4
 
 
-def _raw(sock_path: str, data: bytes) -> tuple[int, dict]:
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(sock_path)
-    s.sendall(data)
-    buf = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-        if b"\r\n\r\n" in buf:
-            head, _, body = buf.partition(b"\r\n\r\n")
-            length = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0])
-            if len(body) >= length:
-                break
-    s.close()
-    head, _, body = buf.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body)
-
-
 @pytest.mark.parametrize(
     "body,status,reason",
     [
@@ -201,7 +182,7 @@ def _raw(sock_path: str, data: bytes) -> tuple[int, dict]:
 )
 def test_bad_input_gives_clear_4xx_and_stores_nothing(broker, body, status, reason):
     req = b"POST /api/v1/leases HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-    code, payload = _raw(broker.socket, req)
+    code, payload = raw_request(broker.socket, req)
     assert (code, payload["status"], payload["reason"]) == (status, status, reason)
     assert payload["message"] and "Traceback" not in payload["message"]
     c = broker.client()
@@ -265,23 +246,7 @@ def test_auto_inventory_without_driver_refuses_with_the_fix(tmp_path):
     assert r.returncode == 2 and "--inventory=simulated" in r.stderr
 
 
-SECOND_USER = "gpulease-test"
-
-
-@pytest.fixture(scope="session")
-def second_user():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create and switch to a second Unix user (CI runs as root)")
-    import pwd
-
-    try:
-        pwd.getpwnam(SECOND_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", SECOND_USER], check=True)
-    return pwd.getpwnam(SECOND_USER)
-
-
-def test_second_user_cannot_see_renew_release_or_attach(broker_factory, second_user):
+def test_second_user_cannot_see_renew_release_or_attach(broker_factory, second_user):  # noqa: F811
     sockdir = tempfile.mkdtemp(prefix="gl-iso")
     os.chmod(sockdir, 0o755)
     broker = broker_factory(gpus=2, args=["--tick=0.1"], socket_path=os.path.join(sockdir, "b.sock"))
@@ -315,46 +280,8 @@ def _probe(url: str, lease_id: str) -> dict:
     return out
 
 
-def as_user(pw, fn):
-    """Run fn in a forked child that switched to another uid (a real second user); return its JSON result."""
-
-    def switch() -> None:
-        os.setgroups([])
-        os.setgid(pw.pw_gid)
-        os.setuid(pw.pw_uid)
-
-    return in_child(fn, switch)
-
-
-def in_child(fn, prepare=lambda: None):
-    """Run ``prepare()`` then fn in a forked child (changes to its privileges stay there); return fn's JSON result."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            os.close(r)
-            prepare()
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        except BaseException as e:  # report anything to the parent
-            os.write(w, json.dumps({"error": repr(e)}).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    result = json.loads(data)
-    assert os.waitstatus_to_exitcode(status) == 0, result
-    return result
-
-
 def test_grafana_dashboard_queries_name_series_the_broker_exports(broker):
     """deploy/grafana-dashboard.json: every panel's query uses metric and label names /metrics really has."""
-    import json
     import re
     from pathlib import Path
 
@@ -372,7 +299,7 @@ def test_grafana_dashboard_queries_name_series_the_broker_exports(broker):
         if m:
             sampled.add(m.group(1))
             exported.setdefault(m.group(1), set()).update(re.findall(r'(\w+)="', m.group(2) or ""))
-    dash = json.loads((Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json").read_text())
+    dash = json.loads((Path(__file__).resolve().parents[3] / "deploy" / "grafana-dashboard.json").read_text())
     assert dash["panels"]
     for panel in dash["panels"]:
         for target in panel["targets"]:

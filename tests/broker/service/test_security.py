@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from broker_process import raw_request
 from kernels import Kernel
-from test_broker_process import SECOND_USER, _raw, as_user, second_user  # noqa: F401  (fixture)
+from users import SECOND_USER, as_user, second_user  # noqa: F401  (fixture)
 from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
@@ -212,7 +213,7 @@ def test_revoke_never_signals_a_process_that_reused_an_attached_pid(broker) -> N
 def _post(b, body: bytes) -> tuple[int, dict]:  # type: ignore[no-untyped-def]
     req = (b"POST /api/v1/leases HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-    return _raw(b.socket, req)
+    return raw_request(b.socket, req)
 
 
 BAD_BODIES = {

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks package
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the benchmarks package
 
 from benchmarks.load import LoadConfig, run_load
 

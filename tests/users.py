@@ -1,0 +1,63 @@
+"""A second real Unix user for the tests that check what one user may do to another's leases (CI runs as root),
+and running code as that user in a forked child."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+SECOND_USER = "gpulease-test"
+
+
+@pytest.fixture(scope="session")
+def second_user():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create and switch to a second Unix user (CI runs as root)")
+    import pwd
+
+    try:
+        pwd.getpwnam(SECOND_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", SECOND_USER], check=True)
+    return pwd.getpwnam(SECOND_USER)
+
+
+
+def as_user(pw, fn):
+    """Run fn in a forked child that switched to another uid (a real second user); return its JSON result."""
+
+    def switch() -> None:
+        os.setgroups([])
+        os.setgid(pw.pw_gid)
+        os.setuid(pw.pw_uid)
+
+    return in_child(fn, switch)
+
+
+def in_child(fn, prepare=lambda: None):
+    """Run ``prepare()`` then fn in a forked child (changes to its privileges stay there); return fn's JSON result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.close(r)
+            prepare()
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException as e:  # report anything to the parent
+            os.write(w, json.dumps({"error": repr(e)}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    result = json.loads(data)
+    assert os.waitstatus_to_exitcode(status) == 0, result
+    return result
