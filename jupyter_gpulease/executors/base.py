@@ -11,12 +11,15 @@ from __future__ import annotations
 import abc
 import codecs
 import os
+import shutil
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from traitlets import Float, default
 from traitlets.config import LoggingConfigurable
+
+from ..worker import transfer
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -180,3 +183,16 @@ class PlacedExecutor(Executor):
     @abc.abstractmethod
     def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None, session: bool) -> Worker:
         """The engine's worker for a lease it placed."""
+
+
+def inputs_on_shared_storage(job: dict[str, Any], artifacts: str | None) -> dict[str, Any]:
+    """The job for a worker on another host: its values travel as a file, moved into the lease's artifact
+    directory (shared storage; else this host's shm directory) under ``.oob``, which the job names."""
+    oob = os.path.join(artifacts or transfer.shm_dir(), ".oob")
+    os.makedirs(oob, exist_ok=True)
+    inputs = job.get("inputs")
+    if inputs and inputs.get("file") and os.path.dirname(inputs["file"]) != oob:
+        moved = os.path.join(oob, os.path.basename(inputs["file"]))
+        shutil.move(inputs["file"], moved)
+        job = {**job, "inputs": {**inputs, "file": moved}}
+    return {**job, "oob_dir": oob}

@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..worker import transfer
 from ..worker.env import worker_env
-from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -204,15 +203,7 @@ class RayWorker(RelayedWorker):
     def submit(self, job: dict[str, Any]) -> None:
         import ray
 
-        job = dict(job)
-        oob = os.path.join((job.get("env") or {}).get("GPULEASE_ARTIFACTS") or transfer.shm_dir(), ".oob")
-        os.makedirs(oob, exist_ok=True)
-        inputs = job.get("inputs")
-        if inputs and inputs.get("file") and os.path.dirname(inputs["file"]) != oob:
-            moved = os.path.join(oob, os.path.basename(inputs["file"]))
-            shutil.move(inputs["file"], moved)
-            job["inputs"] = {**inputs, "file": moved}
-        job["oob_dir"] = oob
+        job = inputs_on_shared_storage(job, (job.get("env") or {}).get("GPULEASE_ARTIFACTS"))
         ray.get(self.actor.submit.remote(job), timeout=self.start_timeout)
 
     # ---------------------------------------------------------------- output

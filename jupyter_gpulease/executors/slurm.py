@@ -27,9 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..worker import transfer
 from ..worker.env import worker_env
-from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -184,14 +182,7 @@ class SlurmWorker(RelayedWorker):
         env["CUDA_VISIBLE_DEVICES"] = self.info["cuda_visible_devices"]  # as Slurm gave this step
         env.update({"GPULEASE_NODE": self.info["node"], "GPULEASE_SLURM_JOB_ID": self.job_id})
         job["env"] = env
-        oob = os.path.join(env.get("GPULEASE_ARTIFACTS") or transfer.shm_dir(), ".oob")
-        os.makedirs(oob, exist_ok=True)
-        inputs = job.get("inputs")
-        if inputs and inputs.get("file") and os.path.dirname(inputs["file"]) != oob:
-            moved = os.path.join(oob, os.path.basename(inputs["file"]))
-            shutil.move(inputs["file"], moved)
-            job["inputs"] = {**inputs, "file": moved}
-        job["oob_dir"] = oob
+        job = inputs_on_shared_storage(job, env.get("GPULEASE_ARTIFACTS"))
         buf = io.BytesIO()
         transfer.send(buf, job)
         try:
