@@ -6,7 +6,8 @@ design's "a month of overloaded cluster traffic replays in a minute": the lease-
 
 The policy is the default but for ``full_pass_seconds`` (:data:`FULL_PASS_SECONDS`): the full scheduling pass
 costs O(queue) and the default (every 10 s of the clock) makes nearly every event of this trace run one over a
-queue of up to 20,000 requests, which replays for hours, not a minute (BENCHMARKS.md gives the rate measured).
+queue of up to 20,000 requests: measured, 3,476 of the 30,000 jobs done after 342 s, every 1,000 events slower
+than the last (hours in all, not a minute).
 """
 
 from __future__ import annotations
