@@ -68,3 +68,21 @@ def test_backends_benchmark_measures_the_single_host_and_lists_engines(tmp_path:
     assert len(m["grant"]) == len(m["release"]) == 2 and len(m["worker"]) == 1
     assert all(v > 0 for vs in m.values() for v in vs)
     assert BACKENDS and all(issubclass(b, Backend) and b.name != Backend.name for b in BACKENDS)
+
+
+def test_quick_replay_scale_benchmark_has_both_modes_and_every_figure(tmp_path: Path) -> None:
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "replay_scale", "--output", str(out),
+         "--json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(data.read_text())["modules"]["replay_scale"]["figures"]
+    names = [f["name"] for f in figures]
+    assert names[0].startswith("replay wall time, 300 jobs") and "held-but-idle GPU-time" in names
+    for expected in ("time to GPU, 1-GPU jobs, p95", "time to GPU, 8-GPU jobs, p50", "queue depth, max",
+                     "queue depth, p95 over time", "scheduling cost per event, p99"):
+        assert expected in names
+    assert all(f["n"] == 1 and f["baseline"]["n"] == 1 for f in figures)
+    assert "<!-- bench:replay_scale -->" in out.read_text()

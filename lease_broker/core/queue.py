@@ -98,7 +98,8 @@ class Queue:
         """Re-sort every request with its user's current score (and the current priority ranks)."""
         pending = list(self._by_seq.values())
         self._keys, self._key_of, self._shapes = [], {}, {}
-        keyed = [(self.key(p, score(p.user)), p) for p in pending]
+        ranks = self._ranks()  # once: the policy's traits cost a lookup each
+        keyed = [((-ranks.get(p.request.priority, 0), score(p.user), p.seq), p) for p in pending]
         keyed.sort(key=lambda kp: kp[0])
         for k, p in keyed:
             self._key_of[p.lease_id] = k

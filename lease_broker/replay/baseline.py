@@ -28,6 +28,7 @@ class SessionSim(_Sim):
             self.bursts.setdefault(b.session or f"#burst{i}", []).append(b)
         for s in sessions:
             self.push(OFFSET + s.start, _ARRIVE, s)
+        self.total = len(sessions)
 
     def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
         if kind == _ARRIVE:
@@ -65,6 +66,7 @@ class SessionSim(_Sim):
         who = Identity(s.user or s.id)
         plan, stop = self.plan(s)
         if s.max_gpus == 0:
+            self.done += 1
             return
         try:
             self.request(who, s.max_gpus, stop - s.start + LINGER_SLACK, 0.0, (s, who, plan, stop))
@@ -75,6 +77,7 @@ class SessionSim(_Sim):
 
     def granted(self, lease: Lease, then: Any) -> None:
         s, who, plan, stop = then
+        self.done += 1
         delay = self.clock.now() - OFFSET - s.start
         held = len(lease.devices)
         first = True

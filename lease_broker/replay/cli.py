@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from ..core.errors import LeaseError
 from ..core.lease import parse_duration
@@ -50,6 +50,28 @@ def _cluster(text: str) -> Cluster:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class ProgressLine:
+    """A line on the terminal, rewritten in place (``\\r``): the run, the share of its work done, the seconds."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.t0 = time.monotonic()
+        self.width = 0
+
+    def __call__(self, mode: str, done: int, total: int) -> None:
+        what = "bursts" if mode == "lease" else "sessions"
+        pct = 100.0 * done / total if total else 100.0
+        text = f"gpulease replay: {mode} run, {pct:5.1f}% of {total:,} {what}, {time.monotonic() - self.t0:.0f} s"
+        self.stream.write("\r" + text.ljust(self.width))
+        self.stream.flush()
+        self.width = len(text)
+
+    def close(self) -> None:
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpulease replay",
@@ -73,17 +95,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, progress: ProgressLine | None = None) -> dict[str, Any]:
     trace = load_trace(args.bursts, args.sessions)
     if args.tile > 1:
         trace = tile(trace, args.tile)
     policy = load_policy(args.config)
     idles = args.sweep or [policy.default_idle_timeout_seconds if args.idle is None else args.idle]
     t0 = time.perf_counter()
-    baseline = summarize(replay(trace, args.cluster, policy, mode="session")) if args.baseline == "session" else None
+    baseline = None
+    if args.baseline == "session":
+        baseline = summarize(replay(trace, args.cluster, policy, mode="session", progress=progress))
     runs = []
     for idle in idles:
-        s = summarize(replay(trace, args.cluster, policy, mode="lease", idle=idle))
+        s = summarize(replay(trace, args.cluster, policy, mode="lease", idle=idle, progress=progress))
         if baseline is not None:
             s.update(compare(s, baseline))
         runs.append(s)
@@ -119,13 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.plot and not args.sweep:
         args.sweep = [args.idle if args.idle is not None else 600.0]
+    progress = ProgressLine(sys.stderr) if not args.json and sys.stderr.isatty() else None
     try:
-        out = run(args)
+        out = run(args, progress)
     except (TraceError, LeaseError) as e:
-        msg = e.message if isinstance(e, LeaseError) else str(e)
+        out = {"error": e.message if isinstance(e, LeaseError) else str(e)}
+    finally:
+        if progress is not None:
+            progress.close()  # before anything else is printed
+    if "error" in out:
         if args.json:
-            print(json.dumps({"error": msg}))
-        print(f"gpulease replay: {msg}", file=sys.stderr)
+            print(json.dumps({"error": out["error"]}))
+        print(f"gpulease replay: {out['error']}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(_clean(out), indent=2))

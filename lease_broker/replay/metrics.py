@@ -28,6 +28,19 @@ def jain(values: Sequence[float]) -> float:
     return 1.0 if s2 == 0 else s * s / (len(values) * s2)
 
 
+def weighted_percentile(weights: dict[int, float], q: float) -> float:
+    """The value below which ``q`` % of the total weight lies (``weights``: value -> weight); NaN if none."""
+    total = sum(weights.values())
+    if total <= 0:
+        return math.nan
+    acc = 0.0
+    for value in sorted(weights):
+        acc += weights[value]
+        if acc >= total * q / 100.0:
+            return float(value)
+    return float(max(weights))
+
+
 def _ttg(waits: Sequence[float]) -> dict[str, float]:
     return {"n": len(waits), "p50": percentile(waits, 50), "p95": percentile(waits, 95),
             "p99": percentile(waits, 99), "max": max(waits) if waits else math.nan}
@@ -79,6 +92,11 @@ def summarize(run: Run) -> dict[str, Any]:
         "owners": len(per_owner),
         "span_s": horizon,
         "events": run.events,
+        "queue_depth": {"max": run.queue_max, "p95": weighted_percentile(run.queue_seconds, 95),
+                        "p50": weighted_percentile(run.queue_seconds, 50)},  # over virtual time
+        "pass_ms_per_event": {"n": len(run.pass_seconds), "p50": 1000 * percentile(run.pass_seconds, 50),
+                              "p99": 1000 * percentile(run.pass_seconds, 99),
+                              "max": 1000 * max(run.pass_seconds) if run.pass_seconds else math.nan},
         "wall_s": run.wall_seconds,
         "notes": list(run.notes),
     }

@@ -21,6 +21,10 @@ def _sec(x: float | None) -> str:
     return f"{x / 3600:.1f}h"
 
 
+def _num(x: float | None, spec: str = ".0f") -> str:
+    return "-" if x is None or math.isnan(x) else format(x, spec)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -65,6 +69,11 @@ def describe(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any] | Non
             if generic not in seen:
                 seen.add(generic)
                 lines.append(f"note ({_label(s)}): {note}")
+    for s in every:
+        q, c = s["queue_depth"], s["pass_ms_per_event"]
+        lines.append(f"{_label(s)}: queue depth max {q['max']}, p95 {_num(q['p95'])} (over time); scheduling "
+                     f"cost per event p50 {_num(c['p50'], '.2f')} ms, p99 {_num(c['p99'], '.2f')} ms "
+                     f"({c['n']:,} events with a pass of {s['events']:,}); replayed in {s['wall_s']:.1f} s")
     lines.append("RESERVED IDLE = held GPU-time outside bursts; RECLAIMED = GPU-time not held vs the baseline; "
                  "TTG = time to GPU; GANG BLOCK = free GPU-time while a multi-GPU request waits.")
     wall = sum(s["wall_s"] for s in every)

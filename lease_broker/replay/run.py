@@ -8,14 +8,16 @@ import time
 
 from ..policy.lease_policy import LeasePolicy
 from .baseline import SessionSim
-from .sim import Cluster, Run, _LeaseSim, _Sim
+from .sim import Cluster, Progress, Run, _LeaseSim, _Sim
 from .trace import Trace, TraceError, check_fits
 
 
 def replay(
-    trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0
+    trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0,
+    progress: Progress | None = None,
 ) -> Run:
-    """Replay ``trace`` on ``cluster`` under ``policy``: ``mode`` is ``lease`` or ``session``."""
+    """Replay ``trace`` on ``cluster`` under ``policy``: ``mode`` is ``lease`` or ``session``; ``progress``
+    is called now and then with the mode and the work items (bursts, or sessions) done of the total."""
     policy = policy or LeasePolicy()
     check_fits(trace, cluster.total)
     if not trace.bursts:
@@ -32,7 +34,7 @@ def replay(
             sim = SessionSim(trace, cluster, policy)
         else:
             raise ValueError(f"Unknown replay mode {mode!r}: use 'lease' or 'session'")
-        sim.loop()
+        sim.loop(progress)
     finally:
         logger.setLevel(level)
     sim.run.wall_seconds = time.perf_counter() - t0

@@ -25,6 +25,8 @@ import heapq
 import itertools
 import math
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 from traitlets.config import Config
@@ -98,6 +100,14 @@ class Run:
     wall_seconds: float = 0.0
     renewals_refused: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    queue_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # queue depth -> virtual seconds at it
+    queue_max: int = 0
+    pass_seconds: list[float] = dataclasses.field(default_factory=list)  # wall time of the passes of each event
+
+
+#: ``progress(mode, done, total)``: called now and then during a replay (work items done of the total).
+Progress = Callable[[str, int, int], None]
+PROGRESS_EVERY = 1000  # events between two progress calls
 
 
 def load_policy(path: str | None) -> LeasePolicy:
@@ -151,6 +161,14 @@ class _Sim:
             clock=self.clock,
         )
         self.run = Run(mode=mode, cluster=cluster, idle_timeout=idle)
+        alone = sum(1 for b in trace.bursts if not b.session)
+        if alone:
+            self.run.notes.append(f"{alone:,} burst(s) have no session_id: each is replayed as its own session")
+        self.changes = self.m.events.subscribe()  # lease events: what collect() looks at, not every lease
+        self._schedule = self.m.schedule
+        self.m.schedule = self._timed_schedule  # type: ignore[method-assign]  # the cost of each pass, measured
+        self._event_cost, self._event_passes = 0.0, 0
+        self.done, self.total = 0, 0  # work items (bursts or sessions) finished, for progress
         self.heap: list[tuple[float, int, int, tuple[Any, ...]]] = []
         self.seq = itertools.count()
         self.waiting: dict[str, tuple[Lease, Any]] = {}  # queued lease id -> (lease, what to start)
@@ -164,13 +182,30 @@ class _Sim:
     def push(self, t: float, kind: int, *payload: Any) -> None:
         heapq.heappush(self.heap, (t, kind, next(self.seq), payload))
 
-    def loop(self) -> None:
+    def _timed_schedule(self) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self._schedule()
+        finally:
+            self._event_cost += time.perf_counter() - t0
+            self._event_passes += 1
+
+    def loop(self, progress: Progress | None = None) -> None:
+        queue = self.m.state.queue
         while self.heap:
             t, kind, _, payload = heapq.heappop(self.heap)
-            self._integrate(t)
+            self._integrate(t, len(queue))
             self.clock.set(t)
             self.run.events += 1
+            self._event_cost, self._event_passes = 0.0, 0
             self.handle(kind, payload)
+            if self._event_passes:  # the wall time of the scheduling passes this event caused
+                self.run.pass_seconds.append(self._event_cost)
+            self.run.queue_max = max(self.run.queue_max, len(queue))
+            if progress is not None and self.run.events % PROGRESS_EVERY == 0:
+                progress(self.run.mode, self.done, self.total)
+        if progress is not None:
+            progress(self.run.mode, self.done, self.total)
         self.run.end = self.last_t - OFFSET
         if self.waiting:
             raise RuntimeError(f"replay ended with {len(self.waiting)} requests never granted")
@@ -178,8 +213,10 @@ class _Sim:
     def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
         raise NotImplementedError
 
-    def _integrate(self, t: float) -> None:
+    def _integrate(self, t: float, depth: int) -> None:
         dt = t - self.last_t
+        if dt > 0:
+            self.run.queue_seconds[depth] = self.run.queue_seconds.get(depth, 0.0) + dt
         if dt > 0 and self.gangs_waiting:
             self.run.gang_block_gpu_seconds += dt * (self.cluster.total - self.held_gpus)
         self.last_t = max(self.last_t, t)
@@ -203,12 +240,22 @@ class _Sim:
         return lease
 
     def collect(self) -> None:
-        """Notice what the manager did: grants of waiting requests, ends of held leases."""
-        for lid, lease in list(self.holding.items()):
-            if lease.state not in HOLDING:
+        """Notice what the manager did (its lease events since the last call): grants of waiting requests,
+        ends of held leases."""
+        changed: dict[str, None] = {}  # in the order they happened, once each
+        while not self.changes.empty():
+            event = self.changes.get_nowait()
+            if event["type"] == "lease":
+                changed[event["lease"]["id"]] = None
+        for lid in changed:
+            held = self.holding.get(lid)
+            if held is not None and held.state not in HOLDING:
                 del self.holding[lid]
-                self.held_gpus -= len(lease.devices)
-        for lid, (lease, then) in list(self.waiting.items()):
+                self.held_gpus -= len(held.devices)
+        for lid in changed:
+            if lid not in self.waiting:
+                continue
+            lease, then = self.waiting[lid]
             if lease.state == LeaseState.QUEUED:
                 continue
             del self.waiting[lid]
@@ -249,6 +296,7 @@ class _LeaseSim(_Sim):
             self.state[key] = {"lease": None, "shift": 0.0, "gpu_seen": False, "who": Identity(bursts[0].owner)}
             self.push(OFFSET + bursts[0].start, _ARRIVE, key, 0)
         self.running: dict[str, Lease] = {}
+        self.total = len(trace.bursts)
 
     def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
         if kind == _ARRIVE:
@@ -306,6 +354,7 @@ class _LeaseSim(_Sim):
         now = self.clock.now()
         st = self.state[key]
         b = self.sessions[key][idx]
+        self.done += 1
         if lease is not None:
             self.running.pop(lease.id, None)
             if lease.state in HOLDING:

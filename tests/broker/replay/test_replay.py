@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.overload_trace import generate
 from lease_broker.core.lease import LeaseState
 from lease_broker.replay import Cluster, TraceError, jain, load_policy, load_trace, percentile, replay, summarize, tile
 from lease_broker.replay.cli import main as replay_main
+from lease_broker.replay.report import describe
 
+ROOT = Path(__file__).resolve().parents[3]
 TRACES = Path("/work/shared/traces")
 NOTEBOOK_BURSTS = TRACES / "notebook_bursts.csv"
 NOTEBOOK_SESSIONS = TRACES / "notebook_sessions.csv"
@@ -244,3 +248,80 @@ def test_random_traces_grant_everything_once(tmp_path):
             _no_gpu_held_twice(run)
 
     check()
+
+
+def test_report_has_queue_depth_over_time_and_cost_per_event(tmp_path):
+    """Three 1-GPU jobs at once on one GPU: 2 wait for 100 s, then 1 for 100 s, then none."""
+    bursts = write(tmp_path, "jobs.csv", "job_id,start_s,duration_s,num_gpus\na,0,100,1\nb,0,100,1\nc,0,100,1\n")
+    trace = load_trace(bursts)
+    s = summarize(replay(trace, Cluster(1, 1), mode="lease", idle=0))
+    assert s["queue_depth"]["max"] == 2
+    assert s["queue_depth"]["p50"] == 1 and s["queue_depth"]["p95"] == 2  # weighted by virtual time
+    cost = s["pass_ms_per_event"]
+    assert cost["n"] >= 3 and 0 < cost["p50"] <= cost["p99"] <= cost["max"]
+    assert "3 burst(s) have no session_id: each is replayed as its own session" in s["notes"]
+    base = summarize(replay(trace, Cluster(1, 1), mode="session"))
+    text = describe([s], base)
+    assert "queue depth max 2, p95 2 (over time)" in text and "scheduling cost per event p50" in text
+    assert text.count("have no session_id") == 1  # the same note once, not per run
+
+
+def _on_a_terminal(args: list[str]) -> str:
+    """What the CLI writes to a terminal (stdout and stderr on one pty)."""
+    main_fd, sub_fd = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "lease_broker.replay", *args], stdout=sub_fd, stderr=sub_fd)
+    os.close(sub_fd)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main_fd, 65536)
+        except OSError:  # the pty closes when the process exits
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(main_fd)
+    return b"".join(chunks).decode()
+
+
+def test_progress_on_a_terminal_and_none_with_json(tmp_path):
+    bursts = generate(tmp_path / "jobs.csv", jobs=200, days=1)
+    shown = _on_a_terminal([str(bursts)])
+    assert "\rgpulease replay: lease run, 100.0% of 200 bursts" in shown
+    assert "\rgpulease replay: session run, 100.0% of 200 sessions" in shown
+    assert "queue depth max" in shown
+    quiet = _on_a_terminal([str(bursts), "--json"])
+    assert "% of" not in quiet
+    assert json.loads(quiet)["runs"][0]["queue_depth"]["max"] >= 1
+
+
+def test_overload_trace_is_deterministic_and_has_its_mix_and_load(tmp_path):
+    a = generate(tmp_path / "a.csv", jobs=2000, days=4, gpus_total=64, load=3.0, seed=7)
+    b = generate(tmp_path / "b.csv", jobs=2000, days=4, gpus_total=64, load=3.0, seed=7)
+    assert a.read_bytes() == b.read_bytes()
+    assert generate(tmp_path / "c.csv", jobs=2000, days=4, seed=8).read_bytes() != a.read_bytes()
+    bursts = load_trace(a).bursts  # the replay's own reader takes it
+    assert len(bursts) == 2000 and not any(x.session for x in bursts)
+    share = {g: sum(1 for x in bursts if x.gpus == g) / 2000 for g in (1, 4, 8)}
+    assert share[1] == pytest.approx(1 / 2, abs=0.04) and share[8] == pytest.approx(1 / 3, abs=0.04)
+    assert share[4] == pytest.approx(1 / 6, abs=0.04) and sum(share.values()) == 1
+    span = 4 * 86400
+    assert sum(x.gpus * x.duration for x in bursts) / (64 * span) == pytest.approx(3.0, rel=0.01)
+    assert all(0 <= x.start < span and 120 <= x.duration <= 3 * 86400 for x in bursts)
+    durations = sorted(x.duration for x in bursts)
+    assert sum(durations) / len(durations) > 3 * durations[len(durations) // 2]  # heavy tail: mean >> median
+    hour = [int(x.start % 86400 // 3600) for x in bursts]
+    afternoon, night = sum(1 for h in hour if 12 <= h < 18), sum(1 for h in hour if 0 <= h < 6)
+    assert afternoon > 2 * night  # the daily cycle peaks in the afternoon
+
+
+def test_overload_trace_command_and_bad_arguments(tmp_path):
+    out = tmp_path / "t.csv"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.overload_trace", str(out), "--jobs", "50", "--days", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_text().splitlines()) == 51
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.overload_trace", str(out), "--load", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "load=0.0" in proc.stderr and "Traceback" not in proc.stderr
