@@ -114,6 +114,10 @@ def schedule(
     for gpu_id, w in state.windows.place(reservations).items():
         decision.reserved[gpu_id] = w.id
     blocked = 0
+    # (GPU count, locality) -> the earliest end that found no GPUs: a later request of the same shape that would
+    # end no sooner cannot fit either (GPUs only get taken and reserved within a pass). Not with advance
+    # reservations, whose GPUs depend on who asks.
+    no_fit: dict[tuple[int, str], float] = {}
     for p in (pending if ordered else queue_order(pending, policy, usage)):
         decision.order.append(p.lease_id)
         req = p.request
@@ -122,8 +126,13 @@ def schedule(
         end = now + p.duration
         if req.shared:
             grant = state.place_shared(p, end)
+        elif end >= no_fit.get((req.min_gpus, req.locality), INF):
+            grant = None
         else:
             grant = state.place_exclusive(p, end)
+            if grant is None and not state.windows.of and state.within_cap(p, req.min_gpus):
+                shape = (req.min_gpus, req.locality)
+                no_fit[shape] = min(no_fit.get(shape, INF), end)
         if grant is not None:
             decision.grants.append(grant)
             decision.planned_start[p.lease_id] = now

@@ -41,8 +41,9 @@ class Planning:
         full = self.full_due or now - self.last_full >= self.policy.full_pass_seconds
         if full:
             self.last_full, self.full_due = now, False
-            scores = self.scores(now, {p.user for p in q})
-            q.rescore(scores.__getitem__)
+            if len(q):  # (no usage to load for an empty queue: a restart with no request waiting skips it)
+                scores = self.scores(now, {p.user for p in q})
+                q.rescore(scores.__getitem__)
             return list(q), True
         depth = self.policy.queue_depth
         pending = q.head(depth)
