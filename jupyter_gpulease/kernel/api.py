@@ -31,7 +31,8 @@ from .. import artifacts as _artifacts
 from ..client import BrokerClient
 from ..executors.local import LocalWorker
 from .acquire import Heartbeater, acquire
-from .cellrun import Job, LeaseRun, Sinks, default_sinks
+from .cellrun import Job, LeaseRun
+from .drive import Sinks, default_sinks
 
 _heartbeaters: dict[str, Heartbeater] = {}
 _lock = threading.Lock()

@@ -30,7 +30,8 @@ from ..executors.local import LocalExecutor, WarmPool
 from ..tables import fmt_duration, leases_table, queue_table, status_text, table
 from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
-from .cellrun import CellError, Job, LeaseRun, default_sinks, summary_line
+from .cellrun import CellError, Job, LeaseRun, summary_line
+from .drive import default_sinks
 from .sessions import Session, Sessions
 
 LINE_COMMANDS = """

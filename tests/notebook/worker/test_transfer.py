@@ -14,7 +14,7 @@ from users import in_child
 
 from jupyter_gpulease.executors.base import WorkerCrashed
 from jupyter_gpulease.executors.local import LocalWorker as Worker
-from jupyter_gpulease.kernel import cellrun
+from jupyter_gpulease.kernel import cellrun, drive
 from jupyter_gpulease.kernel.cellcode import free_names, select_inputs
 from jupyter_gpulease.worker import transfer, vmcopy
 
@@ -73,7 +73,7 @@ def _run(worker: Worker, code: str, inputs: dict, out: list[str], vm: bool = Tru
     """One job on a real worker through the kernel side's own path (job message, drive, result)."""
     msg = cellrun.job_message(cellrun.Job(code=code, inputs=inputs, out=out), {}, transfer.shm_dir(), vm)
     errs: list[str] = []
-    result = cellrun.drive(worker, msg, cellrun.Sinks(lambda text: None, errs.append), 5.0)
+    result = drive.drive(worker, msg, drive.Sinks(lambda text: None, errs.append), 5.0)
     outcome = cellrun.Outcome({})
     cellrun.finish_result(result, outcome)
     return msg, result, outcome, "".join(errs)
