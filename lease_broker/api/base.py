@@ -56,7 +56,9 @@ class BaseHandler(web.RequestHandler):
             raise BadRequest(f"Request body must be a JSON object, not {type(data).__name__}")
         return data
 
-    def reply(self, data: Any, status: int = 200) -> None:
+    async def reply(self, data: Any, status: int = 200) -> None:
+        """Answer once everything this answer could show is stored (the iteration's group commit)."""
+        await self.manager.settled()
         self.set_status(status)
         self.finish(json.dumps(data, separators=(",", ":")))
 

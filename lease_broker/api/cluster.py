@@ -7,9 +7,9 @@ from .openapi import load
 
 
 class InfoHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         m = self.manager
-        self.reply(
+        await self.reply(
             {
                 **self.info,
                 "inventory": m.inventory.describe(),
@@ -30,23 +30,23 @@ class InfoHandler(BaseHandler):
 
 
 class GpusHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         m = self.manager
-        self.reply({"simulated": m.inventory.simulated, "summary": m.summary(), "gpus": m.gpu_views(self.who)})
+        await self.reply({"simulated": m.inventory.simulated, "summary": m.summary(), "gpus": m.gpu_views(self.who)})
 
 
 class QueueHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         m = self.manager
-        self.reply({"queue": m.views.queue(self.who, m.clock.now())})
+        await self.reply({"queue": m.views.queue(self.who, m.clock.now())})
 
 
 class OpenAPIHandler(BaseHandler):
     def prepare(self) -> None:  # the API description is public
         pass
 
-    def get(self) -> None:
-        self.reply(load())
+    async def get(self) -> None:
+        await self.reply(load())
 
 
 def routes(prefix: str) -> Routes:

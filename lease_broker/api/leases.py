@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from tornado import web
 
 from ..core.errors import BadRequest
@@ -12,26 +10,25 @@ from .base import LEASE_ID, MAX_WAIT, BaseHandler, Routes
 
 
 class LeasesHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         everyone = self.get_query_argument("all", "0") in ("1", "true", "yes")
         try:
             ended = int(self.get_query_argument("ended", "0"))
         except ValueError:
             raise BadRequest(f"Invalid ended={self.get_query_argument('ended')!r}: give a count") from None
         leases = self.manager.list_leases(self.who, everyone=everyone, include_ended=max(0, min(ended, 1000)))
-        self.reply({"leases": [self.view(lease) for lease in leases]})
+        await self.reply({"leases": [self.view(lease) for lease in leases]})
 
     async def post(self) -> None:
         body = self.body()
         wait = parse_duration(body.pop("wait_seconds", 0), "wait_seconds")
         lease, secret = self.manager.request(self.who, body)
-        if lease.state == LeaseState.QUEUED:
-            await asyncio.sleep(0)  # the pass it queued runs first (one pass for all requests of the iteration)
+        await self.manager.settled()  # the pass it queued runs first (one pass for all requests of the iteration)
         if wait and lease.state == LeaseState.QUEUED:
             lease = await self.manager.wait(lease, min(wait, MAX_WAIT))
         view = self.view(lease)
         view["secret"] = secret
-        self.reply(view, 202 if lease.state == LeaseState.QUEUED else 201)
+        await self.reply(view, 202 if lease.state == LeaseState.QUEUED else 201)
 
 
 class LeaseHandler(BaseHandler):
@@ -40,16 +37,16 @@ class LeaseHandler(BaseHandler):
         wait = self.query_float("wait", 0.0)
         if wait and lease.state == LeaseState.QUEUED:
             lease = await self.manager.wait(lease, min(wait, MAX_WAIT))
-        self.reply(self.view(lease))
+        await self.reply(self.view(lease))
 
-    def delete(self, lease_id: str) -> None:
+    async def delete(self, lease_id: str) -> None:
         reason = self.get_query_argument("reason", "released")
         lease = self.manager.release(lease_id, self.who, reason)
-        self.reply(self.view(lease))
+        await self.reply(self.view(lease))
 
 
 class LeaseActionHandler(BaseHandler):
-    def post(self, lease_id: str, action: str) -> None:
+    async def post(self, lease_id: str, action: str) -> None:
         m = self.manager
         body = self.body()
         if action == "release":
@@ -67,13 +64,13 @@ class LeaseActionHandler(BaseHandler):
             lease = m.revoke(lease_id, self.who, str(body.get("reason", "admin")))
         else:  # pragma: no cover - the route only matches known actions
             raise web.HTTPError(404)
-        self.reply(self.view(lease))
+        await self.reply(self.view(lease))
 
 
 class HistoryHandler(BaseHandler):
-    def get(self, lease_id: str) -> None:
+    async def get(self, lease_id: str) -> None:
         self.manager.lookup(lease_id, self.who)
-        self.reply({"lease_id": lease_id, "transitions": self.manager.store.history(lease_id)})
+        await self.reply({"lease_id": lease_id, "transitions": self.manager.store.history(lease_id)})
 
 
 def routes(prefix: str) -> Routes:

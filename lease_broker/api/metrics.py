@@ -64,6 +64,10 @@ class BrokerCollector(Collector):
             if s is not None:
                 util.add_metric([g.id, str(g.index)], s.utilization)
         yield util
+        yield CounterMetricFamily("gpulease_store_commits", "Group commits of the lease store (one per event-loop "
+                                  "iteration that changed leases)", value=m.group.groups)
+        yield CounterMetricFamily("gpulease_store_writes", "Lease writes stored (in group commits)",
+                                  value=m.group.writes)
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
 
 

@@ -15,26 +15,26 @@ def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
 
 
 class PolicyHandler(BaseHandler):
-    def get(self) -> None:
-        self.reply({"policy": _jsonable(policy_values(self.manager.policy))})
+    async def get(self) -> None:
+        await self.reply({"policy": _jsonable(policy_values(self.manager.policy))})
 
-    def put(self) -> None:
+    async def put(self) -> None:
         self.require_admin("change the policy")
         body = self.body()
         changes = body.get("policy", body) if set(body) <= {"policy"} else body
         if not isinstance(changes, dict) or not changes:
             raise BadRequest("Give the policy fields to change as a JSON object, e.g. {\"max_gpus_per_user\": 4}")
         diff = self.manager.policy_admin.update(self.who.user, changes, source="api")
-        self.reply({"changed": _jsonable(diff), "policy": _jsonable(policy_values(self.manager.policy))})
+        await self.reply({"changed": _jsonable(diff), "policy": _jsonable(policy_values(self.manager.policy))})
 
 
 class PolicyAuditHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         self.require_admin("read the policy audit")
         raw = self.get_query_argument("limit", "100")
         if not raw.isdigit() or int(raw) < 1:
             raise BadRequest(f"Invalid limit={raw!r}: give a whole number >= 1")
-        self.reply({"audit": self.manager.admin_store.audit_log(min(int(raw), 10_000))})
+        await self.reply({"audit": self.manager.admin_store.audit_log(min(int(raw), 10_000))})
 
 
 def routes(prefix: str) -> Routes:

@@ -6,34 +6,34 @@ from .base import RESERVATION_ID, BaseHandler, Routes
 
 
 class ReservationsHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         m = self.manager
         now = m.clock.now()
         rs = m.admin_store.reservations(since=now - self.query_float("ended", 0.0),
                                         include_cancelled=self.get_query_argument("all", "0") == "1")
-        self.reply({"reservations": [m.reservations.view(r, now) for r in rs]})
+        await self.reply({"reservations": [m.reservations.view(r, now) for r in rs]})
 
-    def post(self) -> None:
+    async def post(self) -> None:
         m = self.manager
         now = m.clock.now()
         r = m.reservations.create(self.who, self.body(), now)
         m.replan()
         m.reservations.publish(r, "created", now)
-        self.reply(m.reservations.view(r, now), 201)
+        await self.reply(m.reservations.view(r, now), 201)
 
 
 class ReservationHandler(BaseHandler):
-    def get(self, rid: str) -> None:
+    async def get(self, rid: str) -> None:
         m = self.manager
-        self.reply(m.reservations.view(m.reservations.get(rid), m.clock.now()))
+        await self.reply(m.reservations.view(m.reservations.get(rid), m.clock.now()))
 
-    def delete(self, rid: str) -> None:
+    async def delete(self, rid: str) -> None:
         m = self.manager
         now = m.clock.now()
         r = m.reservations.cancel(self.who, rid, now)
         m.replan()
         m.reservations.publish(r, "cancelled", now)
-        self.reply(m.reservations.view(r, now))
+        await self.reply(m.reservations.view(r, now))
 
 
 def routes(prefix: str) -> Routes:

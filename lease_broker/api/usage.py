@@ -7,10 +7,10 @@ from .base import BaseHandler, Routes
 
 
 class UsageHandler(BaseHandler):
-    def get(self) -> None:
+    async def get(self) -> None:
         since = parse_duration(self.get_query_argument("since", "7d"), "since")
         now = self.manager.clock.now()
-        self.reply({"since": now - since, "users": self.manager.usage.report(self.who, now - since, now)})
+        await self.reply({"since": now - since, "users": self.manager.usage.report(self.who, now - since, now)})
 
 
 def routes(prefix: str) -> Routes:

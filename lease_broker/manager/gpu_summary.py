@@ -15,8 +15,11 @@ GPU_EVENT_INTERVAL = 0.1
 
 
 class GpuSummary:
-    def __init__(self, events: EventBus, summary: Callable[[], dict[str, Any]]) -> None:
-        self.events, self.summary = events, summary
+    def __init__(self, events: EventBus, summary: Callable[[], dict[str, Any]],
+                 when_stored: Callable[[Callable[[], object]], None]) -> None:
+        """``when_stored``: runs an action once what memory holds now is stored (the group commit's ``after``),
+        so the summary never shows a change that a failed commit then undoes."""
+        self.events, self.summary, self.when_stored = events, summary, when_stored
         self._dirty, self._sent = False, -1e9
 
     def changed(self) -> None:
@@ -33,4 +36,4 @@ class GpuSummary:
 
     def _flush(self) -> None:
         self._dirty, self._sent = False, time.monotonic()
-        self.events.publish("gpus", summary=self.summary())
+        self.when_stored(lambda: self.events.publish("gpus", summary=self.summary()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import secrets
 from typing import Any
@@ -38,6 +39,7 @@ from .enforcer import Enforcer
 from .engine import EngineLink
 from .events import EventBus
 from .gpu_summary import GpuSummary
+from .iteration import Iteration
 from .planning import Planning
 from .policy_admin import PolicyAdmin
 from .preemption import Preemption
@@ -72,11 +74,12 @@ class LeaseManager:
         self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
         self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption)
         self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
-        self.gpu_summary = GpuSummary(self.events, self.summary)
         self.transitions_total: dict[tuple[str, str], int] = {}
         self._seq = store.next_seq()
         self.access, self.waiters = LeaseAccess(self.state, store), Waiters()
-        self._pass_queued = False
+        self.iteration = Iteration(store, lambda: self.schedule(), self._group_failed)
+        self.group = self.iteration.group
+        self.gpu_summary = GpuSummary(self.events, self.summary, self.group.after)
 
     # ------------------------------------------------------------------ what parts and the API read
     @property
@@ -98,15 +101,6 @@ class LeaseManager:
     @samples.setter
     def samples(self, samples: dict[str, GpuSample]) -> None:
         self.state.samples = samples
-
-    @property
-    def order(self) -> list[str]:
-        """Queued lease ids in scheduling order."""
-        return self.state.order
-
-    @property
-    def planned(self) -> dict[str, float]:
-        return self.state.planned
 
     def view(self, lease: Lease, who: Identity | None = None) -> dict[str, Any]:
         """The one lease view every answer and event uses (``who`` None: the owner's, as events carry)."""
@@ -130,15 +124,15 @@ class LeaseManager:
                       duration_seconds=duration, idle_timeout_seconds=idle, last_heartbeat=now, last_activity=now,
                       secret_hash=hash_secret(secret))
         self._seq += 1
-        queue_was_empty = not len(self.state.queue) and not self._pass_queued
         self.commit(lease, Change(state=LeaseState.QUEUED))
         log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
         self.planning.arrived.append(lease.id)
-        if queue_was_empty:
-            self.schedule()  # answered granted at once when it fits
-        else:
-            self.schedule_soon()  # behind others: one pass for every request of this loop iteration
+        self.schedule_soon()  # one pass for every request of this loop iteration: the answer waits for it
         return lease, secret
+
+    async def settled(self) -> None:
+        """Return once this iteration's pass has run and its writes are stored (answers wait for this)."""
+        await self.iteration.settled()
 
     def lookup(self, lease_id: str, who: Identity) -> Lease:
         return self.access.lookup(lease_id, who)
@@ -186,7 +180,7 @@ class LeaseManager:
         expires = max(lease.expires_at or 0.0, new_expiry)
         self.enforcer.clear_warning(lease.id, "expiry")
         self.commit(lease, Change(expires_at=expires, duration_seconds=expires - lease.granted_at, event="renewed"))
-        self.inventory.on_renew(lease, now)
+        self.group.after(lambda: self.inventory.on_renew(lease, now))
         return lease
 
     def heartbeat(self, lease_id: str, who: Identity, active: bool = False) -> Lease:
@@ -212,8 +206,9 @@ class LeaseManager:
 
     # ------------------------------------------------------------------ the one mutation path
     def commit(self, lease: Lease, change: Change) -> None:
-        """Apply one change of a lease: check the transition, write the store (one transaction; the lease is
-        left as it was if that fails), update the GPU table, publish the event, wake waiters."""
+        """Apply one change of a lease: check the transition, write the store (the iteration's group commit;
+        the lease is left as it was if that fails), update the GPU table and wake waiters; the event goes out
+        once the write is stored."""
         now = self.clock.now()
         new = lease.id not in self.state.leases and change.state == LeaseState.QUEUED and not lease.ended_at
         before = None if new else lease.state
@@ -221,18 +216,15 @@ class LeaseManager:
             check_transition(lease.id, before, change.state)
         saved = copy.copy(lease)
         change.apply(lease, now)
-        try:
-            if new:
-                self.store.insert(lease, now)
-            elif change.state is not None:
-                self.store.transition(lease, before, now)
-            elif change.stored:
-                self.store.update(lease)
-            if change.attach is not None:
-                self.store.attach(lease.id, *change.attach)
-        except Exception:
-            lease.__dict__.update(saved.__dict__)
-            raise
+        if new or change.state is not None or change.stored or change.attach is not None:
+            try:
+                with self.group.write(lambda: self._undo(lease, saved, new)) as db:
+                    self.store.write_lease(db, lease, now, new=new, attach=change.attach,
+                                           from_state=before if change.state is not None else None,
+                                           row=change.state is not None or change.stored)
+            except Exception:
+                lease.__dict__.update(saved.__dict__)
+                raise
         if new:
             self.state.leases[lease.id] = lease
             self._enqueue(lease, self.planning.scores(now, {lease.user})[lease.user])
@@ -246,13 +238,30 @@ class LeaseManager:
         if change.state is not None and before is not None:
             self._log_transition(lease, before)
         if change.state is not None or change.event:
-            self.events.publish("lease", lease=self.view(lease), user=lease.user,
-                                change=change.event or lease.state.value,
-                                previous=before.value if before is not None else None)
+            event = {"lease": self.view(lease), "user": lease.user, "change": change.event or lease.state.value,
+                     "previous": before.value if before is not None else None}
+            self.group.after(lambda: self.events.publish("lease", **event))
         if before == LeaseState.QUEUED and change.state is not None:
             self.waiters.left_queue(lease)
         if change.devices is not None or (before in HOLDING) != (lease.state in HOLDING):
-            self.gpus_changed()
+            self.group.after(self.gpus_changed)
+
+    def _undo(self, lease: Lease, saved: Lease, new: bool) -> None:
+        """A group commit failed: this change of ``lease`` was not stored, so memory goes back to ``saved``."""
+        lease.__dict__.update(saved.__dict__)
+        if new:
+            self.state.leases.pop(lease.id, None)
+            if lease.id in self.state.queue:
+                self.state.queue.remove(lease.id)
+        elif not lease.state.terminal:
+            self.state.leases[lease.id] = lease
+            if lease.state == LeaseState.QUEUED and lease.id not in self.state.queue:
+                self._enqueue(lease, 0.0)  # re-scored by the full pass _group_failed asks for
+
+    def _group_failed(self) -> None:
+        self.state.table.rebuild(self.state.leases.values())
+        self.planning.full_due = True
+        self.gpus_changed()
 
     def _enqueue(self, lease: Lease, score: float) -> None:
         self.state.queue.add(Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds), score)
@@ -269,6 +278,10 @@ class LeaseManager:
         """End a lease: persist, stop its processes, drain its GPUs, hand them on."""
         held = lease.state in HOLDING
         self.commit(lease, Change(state=target, reason=reason))
+        self.group.after(lambda: self._ended(lease, held))
+
+    def _ended(self, lease: Lease, held: bool) -> None:
+        """Once a lease's end is stored: its processes stop, the inventory hears, its GPUs go to the queue."""
         if held:
             self.enforcer.stop(lease)
         self.inventory.on_end(lease)
@@ -286,20 +299,8 @@ class LeaseManager:
             self.commit(lease, Change(last_activity=now))
 
     def schedule_soon(self) -> None:
-        """A pass at the next event-loop iteration, one for every change of this one; at once without a loop.
-
-        Under load many requests and releases arrive in one iteration: each used to pay a pass over every
-        GPU and every queued request. A pass queued by a request's answer runs before the broker reads the
-        client's next request, so a client that releases and then asks again sees the GPU handed on.
-        """
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.schedule()
-            return
-        if not self._pass_queued:
-            self._pass_queued = True
-            loop.call_soon(self._queued_pass)
+        """A pass at the end of this event-loop iteration, one for every change of it (``Iteration``)."""
+        self.iteration.pass_soon()
 
     def replan(self) -> None:
         """The policy, the reservations or the GPUs changed: the next pass (soon) is a full one."""
@@ -318,13 +319,6 @@ class LeaseManager:
         self.planning.full_due = True
 
     # ------------------------------------------------------------------ scheduling
-    def _queued_pass(self) -> None:
-        self._pass_queued = False
-        try:
-            self.schedule()
-        except Exception:  # e.g. the store cannot be written: the next request, release or tick tries again
-            log.exception("Scheduling pass failed")
-
     def schedule(self) -> int:
         """One scheduling pass (an event pass, or a full one when due: ``Planning.select``); returns the number
         of grants, each applied through ``commit``."""
@@ -346,7 +340,7 @@ class LeaseManager:
             self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,
                                       node=grant.node, granted_at=now, expires_at=now + lease.duration_seconds,
                                       last_activity=now, last_heartbeat=max(lease.last_heartbeat, now)))
-            self.inventory.on_grant(lease, now)
+            self.group.after(functools.partial(self.inventory.on_grant, lease, now))
         for grant in decision.grown:
             lease = self.leases[grant.lease_id]
             devices = (*lease.devices, *grant.gpu_ids)

@@ -10,7 +10,8 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from operator import itemgetter
 from typing import Any
 
@@ -140,6 +141,9 @@ def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
     )
 
 
+_MARKS = ",".join("?" * 19)
+_HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"
+
 _LIVE_STATES = "(" + ",".join(f"'{s.value}'" for s in LeaseState if s not in TERMINAL) + ")"
 # Literal states, the same as the partial index's: with bound parameters SQLite cannot tell that the index
 # covers the query and scans every lease ever stored.
@@ -199,10 +203,23 @@ class Store:
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
                 "LeaseBroker.db_path (--db) elsewhere; the broker will not start without its leases."
             ) from e
+        #: called before a transaction of its own starts (the group commit commits what it holds first)
+        self.before_transaction: Callable[[], None] | None = None
         self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
 
     def transaction(self) -> "_Tx":
         return _Tx(self)
+
+    def unwritable(self, e: BaseException) -> StoreError:
+        return StoreError(f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
+                          "Free disk space or stop the other process that locks it.")
+
+    @contextmanager
+    def unwritable_as_store_error(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as e:
+            raise self.unwritable(e) from e
 
     def next_seq(self) -> int:
         row = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM leases").fetchone()
@@ -211,28 +228,33 @@ class Store:
     # --- leases ------------------------------------------------------------------------------
     def insert(self, lease: Lease, at: float) -> None:
         with self.transaction() as db:
-            db.execute(f"INSERT INTO leases ({_COLUMNS}) VALUES ({','.join('?' * 19)})", _row(lease))
-            db.execute(
-                "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)",
-                (lease.id, None, lease.state.value, lease.reason, at),
-            )
+            self.write_lease(db, lease, at, new=True)
 
     def transition(self, lease: Lease, from_state: LeaseState | None, at: float) -> None:
         """Persist a lease's new state (and every other field) with a history row."""
         with self.transaction() as db:
-            db.execute(
-                f"REPLACE INTO leases ({_COLUMNS}) VALUES ({','.join('?' * 19)})",
-                _row(lease),
-            )
-            if from_state is not None:
-                db.execute(
-                    "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)",
-                    (lease.id, from_state.value, lease.state.value, lease.reason, at),
-                )
+            self.write_lease(db, lease, at, from_state=from_state)
 
     def update(self, lease: Lease) -> None:
         """Persist fields that are not a state change (renewal, attached processes)."""
         self.transition(lease, None, 0.0)
+
+    @staticmethod
+    def write_lease(db: sqlite3.Connection, lease: Lease, at: float, *, new: bool = False,
+                    from_state: LeaseState | None = None, row: bool = True,
+                    attach: tuple[int, int] | None = None) -> None:
+        """The statements of one lease change, inside the caller's transaction (``transaction()``, or the
+        group commit's): the lease's row (``row``), a history row when it is ``new`` or leaves ``from_state``, a
+        process attached to it."""
+        if new:
+            db.execute(f"INSERT INTO leases ({_COLUMNS}) VALUES ({_MARKS})", _row(lease))
+            db.execute(_HISTORY, (lease.id, None, lease.state.value, lease.reason, at))
+        elif row:
+            db.execute(f"REPLACE INTO leases ({_COLUMNS}) VALUES ({_MARKS})", _row(lease))
+            if from_state is not None:
+                db.execute(_HISTORY, (lease.id, from_state.value, lease.state.value, lease.reason, at))
+        if attach is not None:
+            db.execute("REPLACE INTO processes VALUES (?,?,?)", (lease.id, *attach))
 
     def live(self) -> list[Lease]:
         """Every lease that is not terminal, in arrival order."""
@@ -315,6 +337,8 @@ class Store:
             return db.execute("DELETE FROM tokens WHERE user=?", (user,)).rowcount
 
     def close(self) -> None:
+        if self.before_transaction is not None:  # what a group commit holds is stored before closing
+            self.before_transaction()
         if self._checkpointer is not None:
             self._checkpointer.stop()
         self.db.close()
@@ -322,18 +346,14 @@ class Store:
 
 class _Tx:
     def __init__(self, store: Store) -> None:
+        self.store = store
         self.db = store.db
-        self.path = store.path
-
-    def _unwritable(self, e: BaseException) -> StoreError:
-        return StoreError(f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
-                          "Free disk space or stop the other process that locks it.")
 
     def __enter__(self) -> sqlite3.Connection:
-        try:
+        if self.store.before_transaction is not None:
+            self.store.before_transaction()
+        with self.store.unwritable_as_store_error():
             self.db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as e:
-            raise self._unwritable(e) from e
         return self.db
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -344,11 +364,11 @@ class _Tx:
             except sqlite3.Error as e:
                 if self.db.in_transaction:  # SQLite already rolled back on SQLITE_FULL/IOERR
                     self.db.execute("ROLLBACK")
-                raise self._unwritable(e) from e
+                raise self.store.unwritable(e) from e
         if self.db.in_transaction:
             self.db.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
-            raise self._unwritable(exc) from exc
+            raise self.store.unwritable(exc) from exc
 
 
 def iter_rows(store: Store) -> Iterator[Lease]:

@@ -93,7 +93,7 @@ def test_fair_share_orders_light_user_first_and_survives_restart(tmp_path):
     blocker, _ = m2.request(CAROL, {"gpus": 1})
     qa, _ = m2.request(ALICE, {"gpus": 1})  # alice arrives first but used an hour
     qb, _ = m2.request(BOB, {"gpus": 1})
-    assert m2.order == [qb.id, qa.id]
+    assert m2.state.order == [qb.id, qa.id]
     m2.release(blocker.id, CAROL)
     assert qb.state == LeaseState.GRANTED and qa.state == LeaseState.QUEUED
 
@@ -110,7 +110,7 @@ def test_fair_share_weight(weight_alice, first):
     blocker, _ = m.request(CAROL, {"gpus": 1})
     qa, _ = m.request(ALICE, {"gpus": 1})
     qb, _ = m.request(BOB, {"gpus": 1})
-    assert m.order[0] == (qa.id if first == "alice" else qb.id)
+    assert m.state.order[0] == (qa.id if first == "alice" else qb.id)
 
 
 def test_fair_share_decays():
@@ -131,7 +131,7 @@ def test_priority_beats_fair_share():
     blocker, _ = m.request(CAROL, {"gpus": 1})
     qb, _ = m.request(BOB, {"gpus": 1, "priority": "low"})
     qa, _ = m.request(ALICE, {"gpus": 1, "priority": "high"})
-    assert m.order == [qa.id, qb.id]
+    assert m.state.order == [qa.id, qb.id]
 
 
 # ------------------------------------------------------------------ limits per user / group / default
@@ -251,7 +251,7 @@ def test_small_requests_backfill_only_if_they_end_before_the_gang():
     short, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
     long_, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 2 * HOUR})
     assert short.state == LeaseState.GRANTED and long_.state == LeaseState.QUEUED
-    assert m.planned[gang.id] == pytest.approx(clock.now() + HOUR)
+    assert m.state.planned[gang.id] == pytest.approx(clock.now() + HOUR)
 
 
 def test_head_gang_not_starved_by_a_stream_of_small_requests():
@@ -536,7 +536,7 @@ def test_shared_leases_do_not_starve_the_head_on_a_shared_gpu():
     m, clock = make(gpus=1, max_shares_per_gpu=1.0)
     m.request(ALICE, {"gpus": 0.5, "duration_seconds": 600})
     head, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
-    assert m.order[0] == head.id and m.planned[head.id] == pytest.approx(clock.now() + 600)
+    assert m.state.order[0] == head.id and m.state.planned[head.id] == pytest.approx(clock.now() + 600)
     for _ in range(9):  # shares that would end after the head's planned start keep off its GPU
         s, _ = m.request(CAROL, {"gpus": 0.25, "duration_seconds": 1200})
         assert s.state == LeaseState.QUEUED

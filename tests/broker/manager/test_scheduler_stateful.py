@@ -234,7 +234,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         now = self.clock.now()
         m = self.m
-        head = m.order[0] if m.order else None
+        head = m.state.order[0] if m.state.order else None
         lease = m.leases.get(head) if head else None
         if lease is None or self._blocked_by_own_limits(lease):
             self.head_since = {}

@@ -230,6 +230,9 @@ def test_metrics_endpoint(broker):
     text = scrape_metrics(broker.socket)
     assert 'gpulease_gpus{simulated="true",state="leased"} 1.0' in text
     assert 'gpulease_leases{state="granted"} 1.0' in text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("gpulease_store")}
+    # the request and its grant were stored in one group commit (the answer waited for it)
+    assert 1 <= values["gpulease_store_commits_total"] < values["gpulease_store_writes_total"]
 
 
 def test_no_broker_message_says_how_to_start_one(tmp_path):

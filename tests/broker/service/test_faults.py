@@ -280,11 +280,10 @@ def test_full_disk_gives_503_and_loses_nothing(tiny_disk: Path, tmp_path: Path) 
         c = b.client()
         held = [c.request_lease(1, heartbeat=False) for _ in range(3)]
         filler = tiny_disk / "filler"
-        with open(filler, "wb") as f:
+        with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left to write (and fail) at close
             try:
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
             except OSError:
                 pass
         refused = 0
