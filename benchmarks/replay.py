@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from traitlets.config import Config
+
+from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.replay import Cluster, compare, load_trace, replay, summarize, tile
 from lease_broker.replay.report import plot
+from lease_broker.replay.trace import Trace
 
 from .report import Figure, figure
 
@@ -25,6 +29,28 @@ COMMAND = ("gpulease replay /work/shared/traces/notebook_bursts.csv --sessions /
 
 def _pct(x: float) -> float:
     return 100.0 * x
+
+
+def pressure_sweep(trace: Trace, pressures: list[float]) -> list[Figure]:
+    """The contended 2x8 cluster with ``pressure_idle_timeout_seconds`` against the same replay without it."""
+    cluster = Cluster(2, 8)
+    off = summarize(replay(trace, cluster, mode="lease", idle=600))
+    figures = []
+    for p in pressures:
+        policy = LeasePolicy(config=Config(LeasePolicy=Config(pressure_idle_timeout_seconds=p)))
+        s = summarize(replay(trace, cluster, policy, mode="lease", idle=600))
+        t, o = s["time_to_gpu_s"], off["time_to_gpu_s"]
+        figures.append(figure(
+            f"held-but-idle GPU-time, {cluster}, idle 10m, pressure idle timeout {p:g} s", "%",
+            [_pct(s["reserved_idle_fraction"])], "the same replay without it", [_pct(off["reserved_idle_fraction"])],
+            note=f"`{COMMAND.split(' --sweep')[0].format(cluster=cluster)} --idle 10m --config C` with "
+                 f"c.LeasePolicy.pressure_idle_timeout_seconds = {p:g}. Time to GPU p95: 1-GPU "
+                 f"{t['1']['p95']:.0f} s (without: {o['1']['p95']:.0f} s), 8-GPU {t['8']['p95']:.0f} s "
+                 f"(without: {o['8']['p95']:.0f} s); cold re-grants {s['cold_regrants']} (without: "
+                 f"{off['cold_regrants']}); gang blocking {s['gang_block_gpu_s'] / 3600:.0f} GPU-h (without: "
+                 f"{off['gang_block_gpu_s'] / 3600:.0f}).",
+        ))
+    return figures
 
 
 def run(opts: Any) -> list[Figure]:
@@ -68,6 +94,7 @@ def run(opts: Any) -> list[Figure]:
                      f"(baseline {_pct(base['allocation']):.1f} %); Jain {s['fairness_jain']:.3f} "
                      f"(baseline {base['fairness_jain']:.3f}).",
             ))
+    figures += pressure_sweep(trace, [60.0] if quick else [30.0, 60.0, 120.0, 300.0])
     reps = 1 if quick else 3
     walls, base_walls = [], []
     for _ in range(reps):

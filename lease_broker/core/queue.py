@@ -94,6 +94,10 @@ class Queue:
                 out.append(self._by_seq[keys[i][2]])
         return self.in_order(out)
 
+    def smallest_need(self) -> int | None:
+        """The fewest whole GPUs any queued request needs (a shared request: 1); None when nothing waits."""
+        return min((shape[1] for shape, keys in self._shapes.items() if keys), default=None)
+
     def rescore(self, score: Callable[[str], float]) -> None:
         """Re-sort every request with its user's current score (and the current priority ranks)."""
         pending = list(self._by_seq.values())

@@ -56,6 +56,7 @@ class Enforcer:
         self.unhealthy: dict[str, str] = {}  # gpu -> why
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
         self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
+        self.pressure: tuple[int, dict[str, int]] | None = None  # as of the last tick (see _pressure)
         self.closed: dict[str, str] = {}  # gpu -> why, as an engine closed it (a subset of unhealthy)
         self.watch = GpuWatch(state, ops, policy, events, clock, self)
 
@@ -126,6 +127,7 @@ class Enforcer:
         warned = self.warned.get(lease_id)
         if warned:
             warned.discard(kind)
+            warned.discard(kind + ":pressure")
 
     @property
     def busy(self) -> bool:
@@ -138,6 +140,7 @@ class Enforcer:
         self._escalate(now)
         self.watch.check(now)
         self._drain(now)
+        self.pressure = self._pressure()
         for lease in list(self.state.leases.values()):
             if lease.state not in HOLDING:
                 continue
@@ -151,19 +154,17 @@ class Enforcer:
             if pids and self.probe.lease_active(lease.id, pids, samples, lease.devices):
                 ops.activity(lease, now)
             idle_for = now - lease.last_activity
-            if lease.idle_timeout_seconds and idle_for >= lease.idle_timeout_seconds:
-                ops.end(lease, LeaseState.REVOKED, "idle")
+            timeout, pressed = self.idle_timeout(lease)
+            if timeout and idle_for >= timeout:
+                ops.end(lease, LeaseState.REVOKED, "idle_pressure" if pressed else "idle")
                 continue
-            if lease.state != LeaseState.IDLE and idle_for >= min(pol.idle_mark_seconds, lease.idle_timeout_seconds or 1e18):
+            if lease.state != LeaseState.IDLE and idle_for >= min(pol.idle_mark_seconds, timeout or 1e18):
                 ops.mark_idle(lease)
             warned = self.warned.setdefault(lease.id, set())
-            if (
-                lease.idle_timeout_seconds
-                and "idle" not in warned
-                and idle_for >= lease.idle_timeout_seconds - pol.warn_before_seconds
-            ):
-                warned.add("idle")
-                self._warn(lease, "idle", lease.last_activity + lease.idle_timeout_seconds)
+            kind = "idle:pressure" if pressed else "idle"
+            if timeout and kind not in warned and idle_for >= timeout - pol.warn_before_seconds:
+                warned.add(kind)
+                self._warn(lease, "idle", lease.last_activity + timeout)
             if (
                 lease.expires_at is not None
                 and "expiry" not in warned
@@ -171,6 +172,34 @@ class Enforcer:
             ):
                 warned.add("expiry")
                 self._warn(lease, "expiry", lease.expires_at)
+
+    def _pressure(self) -> tuple[int, dict[str, int]] | None:
+        """(the GPUs the head of the queue needs, free GPUs per node) while requests wait; else None. The head,
+        not any waiting request: GPUs freed for a request behind a gang would go to the gang's reservation."""
+        if not self.policy.pressure_idle_timeout_seconds:
+            return None
+        head = self.state.queue.head(1)
+        if not head:
+            return None
+        need = 1 if head[0].request.shared else head[0].request.min_gpus
+        busy, blocked = self.state.table.busy, self.draining.keys() | self.unhealthy
+        free: dict[str, int] = {}
+        for g in self.state.gpus:
+            if g.id not in busy and g.id not in blocked:
+                free[g.node] = free.get(g.node, 0) + 1
+        return need, free
+
+    def idle_timeout(self, lease: Lease) -> tuple[float, bool]:
+        """The lease's idle timeout as of the last tick, and whether it is the pressure one: the request at the
+        head of the queue would fit on this lease's GPUs with the free GPUs of its node (then
+        ``pressure_idle_timeout_seconds``, never above the lease's own timeout)."""
+        own, short, pressure = lease.idle_timeout_seconds, self.policy.pressure_idle_timeout_seconds, self.pressure
+        if pressure is None or not own or short >= own:
+            return own, False
+        need, free = pressure
+        if len(lease.devices) + free.get(lease.node, 0) < need:
+            return own, False
+        return short, True
 
     def _warn(self, lease: Lease, kind: str, deadline: float) -> None:
         log.info("Lease %s warned: %s at %.0f, user %s", lease.id, kind, deadline, lease.user)

@@ -124,7 +124,7 @@ class Views:
             position = state.queue.position(lease.id)
             estimate = state.planned.get(lease.id)
         elif lease.state in HOLDING and lease.idle_timeout_seconds:
-            idle_deadline = lease.last_activity + lease.idle_timeout_seconds
+            idle_deadline = lease.last_activity + self.enforcer.idle_timeout(lease)[0]
         devices = [state.gpu_by_id[d] for d in lease.devices if d in state.gpu_by_id]
         out = lease_view(
             lease,

@@ -60,6 +60,15 @@ class LeasePolicy(LimitsPolicy, Configurable):
         config=True,
         help="Seconds before an idle revocation or an expiry at which the holder is warned. Example: 60.",
     )
+    pressure_idle_timeout_seconds = Float(
+        0.0,
+        config=True,
+        help="Idle timeout in seconds while the request at the head of the queue would fit on an idle lease's "
+        "GPUs (with the free GPUs of its node): the lease is warned and revoked after this long without "
+        "activity instead of its own idle timeout (never later than that; with no one waiting the lease's "
+        "own timeout holds): the floor below which waiting requests never push an idle lease. 0 = off. "
+        "Example: 60.",
+    )
     idle_mark_seconds = Float(
         30.0,
         config=True,
@@ -133,6 +142,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "heartbeat_timeout",
         "warn_before_seconds",
         "idle_mark_seconds",
+        "pressure_idle_timeout_seconds",
         "max_shares_per_gpu",
         "full_pass_seconds",
     )

@@ -45,7 +45,7 @@ OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole secon
 LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
 
 # event kinds, in the order they run at one instant: ends free GPUs before arrivals ask for them
-_END, _STOP, _DEADLINE, _ARRIVE = 0, 1, 2, 3
+_END, _STOP, _DEADLINE, _ARRIVE, _PRESSURE = 0, 1, 2, 3, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +305,8 @@ class _LeaseSim(_Sim):
             self.burst_end(*payload)
         elif kind == _DEADLINE:
             self.idle_deadline(*payload)
+        elif kind == _PRESSURE:
+            self.pressure_check(*payload)
 
     def arrive(self, key: str, idx: int) -> None:
         now = self.clock.now()
@@ -334,7 +336,10 @@ class _LeaseSim(_Sim):
             self.m.release(lease.id, st["who"], "replay_too_small")  # a bigger cell: give back, ask anew
             self.collect()
         st["lease"] = None
-        self.request(st["who"], b.gpus, b.duration + self.idle_req + LINGER_SLACK, self.idle_req, (key, idx, out))
+        lease = self.request(st["who"], b.gpus, b.duration + self.idle_req + LINGER_SLACK, self.idle_req,
+                             (key, idx, out))
+        if lease.state == LeaseState.QUEUED and self.m.policy.pressure_idle_timeout_seconds:
+            self.push(now, _PRESSURE, None, now)  # the broker's next tick: idle leases it waits for may go
 
     def granted(self, lease: Lease, then: Any) -> None:
         key, idx, out = then
@@ -361,6 +366,9 @@ class _LeaseSim(_Sim):
                 self.m.activity(lease, now)
                 if lease.idle_timeout_seconds > 0 and self.idle_req > 0:
                     self.push(_deadline(now, lease.idle_timeout_seconds), _DEADLINE, lease, now)
+                    pressure = self.m.policy.pressure_idle_timeout_seconds
+                    if 0 < pressure < lease.idle_timeout_seconds:  # revoked then if someone waits for it
+                        self.push(_deadline(now, pressure), _PRESSURE, lease, now)
                 else:
                     self.m.release(lease.id, st["who"], "cell_done")
                     self.collect()
@@ -372,14 +380,25 @@ class _LeaseSim(_Sim):
             nb = self.sessions[key][idx + 1]
             self.push(max(now, OFFSET + nb.start + st["shift"]), _ARRIVE, key, idx + 1)
 
-    def idle_deadline(self, lease: Lease, stamp: float) -> None:
-        if lease.state not in HOLDING or lease.id in self.running or lease.last_activity != stamp:
-            return  # ended already, or reused since
+    def pressure_check(self, lease: Lease | None, stamp: float) -> None:
+        """A tick when an idle lease reaches the pressure idle timeout, or a request queued (``lease`` None): the
+        real enforcer revokes the idle leases that someone waits for (``pressure_idle_timeout_seconds``)."""
+        if lease is not None and (lease.state not in HOLDING or lease.id in self.running
+                                  or lease.last_activity != stamp):
+            return
+        self._tick()
+
+    def _tick(self) -> None:
         now = self.clock.now()
         for running in self.running.values():  # running cells are active: the runner says so
             if running.state in HOLDING:
                 self.m.activity(running, now)
-        self.m.tick()  # the real enforcer revokes it as idle
+        self.m.tick()
         self.collect()
+
+    def idle_deadline(self, lease: Lease, stamp: float) -> None:
+        if lease.state not in HOLDING or lease.id in self.running or lease.last_activity != stamp:
+            return  # ended already, or reused since
+        self._tick()  # the real enforcer revokes it as idle
         if lease.state in HOLDING:
             raise RuntimeError(f"lease {lease.id} not revoked at its idle deadline ({lease.state.value})")

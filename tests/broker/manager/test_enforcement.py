@@ -148,3 +148,26 @@ def test_users_see_only_the_owner_of_an_unleased_process() -> None:
     assert watch.view("GPU-x", Identity("bob", 1001)) == [{"pid": 42, "user": "bob", "memory": 1 << 30}]
     assert watch.view("GPU-x", Identity("root", 0, admin=True)) == [{"pid": 42, "user": "bob", "memory": 1 << 30}]
     assert watch.view("GPU-y", Identity("alice", 1000)) == []
+
+
+def test_a_waiting_request_gets_the_gpu_of_an_idle_lease_after_the_pressure_timeout(broker_factory) -> None:
+    """A real broker: the holder is idle (no process, no activity) with a 10-minute idle timeout of its own; a
+    second request arrives and, with pressure_idle_timeout_seconds=2, gets the GPU seconds later, the holder warned
+    first."""
+    broker = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.pressure_idle_timeout_seconds=2",
+                                          "--LeasePolicy.warn_before_seconds=1", "--LeasePolicy.idle_mark_seconds=0.2"])
+    c = broker.client()
+    events = EventLog(broker.socket)
+    try:
+        idle = c.request_lease(1, heartbeat=False, idle_timeout_seconds=600)
+        waiting = c.request_lease(1, heartbeat=False)
+        assert waiting["state"] == "queued"
+        got = c.lease(waiting["id"], wait=30)
+        assert got["state"] == "granted" and got["devices"] == idle["devices"]
+        ended = c.lease(idle["id"])
+        assert ended["state"] == "revoked" and ended["reason"] == "idle_pressure"
+        warning = events.wait("warning", timeout=5, lease_id=idle["id"])
+        assert warning["kind"] == "idle" and warning["deadline"] <= ended["ended_at"]
+        assert ended["ended_at"] - ended["granted_at"] < 30  # not its own 10 minutes
+    finally:
+        events.close()

@@ -18,6 +18,7 @@ from lease_broker.store.lease_store import Store
 
 ALICE = Identity("alice", uid=1001)
 BOB = Identity("bob", uid=1002)
+CAROL = Identity("carol", uid=1003)
 ADMIN = Identity("root", uid=0, admin=True)
 
 
@@ -112,6 +113,55 @@ def test_idle_revocation_after_warning_and_activity_resets(make):
     assert a.state == LeaseState.IDLE
     clock.advance(10)
     m.heartbeat(a.id, ALICE)
+    m.tick()
+    assert a.state == LeaseState.REVOKED and a.reason == "idle"
+
+
+PRESSURE = {"default_idle_timeout_seconds": 600, "pressure_idle_timeout_seconds": 60, "warn_before_seconds": 10,
+            "idle_mark_seconds": 5}
+
+
+def test_pressure_idle_timeout_revokes_an_idle_lease_the_head_of_the_queue_waits_for(make):
+    m, clock = make(gpus=2, **PRESSURE)
+    a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    b, _ = m.request(BOB, {"gpus": 1, "heartbeat": False})
+    clock.advance(55)
+    m.tick()  # idle 55 s, nobody waits: no warning (the own timeout is 600 s)
+    assert not events_of(m, "warning") and m.view(a)["idle_deadline"] == pytest.approx(a.last_activity + 600)
+    c, _ = m.request(CAROL, {"gpus": 1, "heartbeat": False})
+    m.tick()  # now someone waits: both idle leases are warned of the pressure deadline, the floor
+    warnings = events_of(m, "warning")
+    assert {(w["lease_id"], w["kind"]) for w in warnings} == {(a.id, "idle"), (b.id, "idle")}
+    assert {w["deadline"] for w in warnings} == {a.last_activity + 60}
+    assert m.view(a)["idle_deadline"] == pytest.approx(a.last_activity + 60)
+    assert a.state == LeaseState.IDLE and c.state == LeaseState.QUEUED  # not before the floor
+    clock.advance(5)
+    m.tick()
+    assert {a.reason, b.reason} == {"idle_pressure"} and c.state == LeaseState.GRANTED
+    assert {a.state, b.state} == {LeaseState.REVOKED}
+
+
+def test_pressure_needs_someone_the_gpus_would_serve(make):
+    m, clock = make(gpus=4, nodes=2, **PRESSURE)
+    a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    y, _ = m.request(CAROL, {"gpus": 1, "heartbeat": False})
+    z, _ = m.request(CAROL, {"gpus": 2, "heartbeat": False})
+    assert a.node == y.node != z.node
+    gang, _ = m.request(BOB, {"gpus": 2, "heartbeat": False, "locality": "node"})
+    assert gang.state == LeaseState.QUEUED  # freeing a's GPU would not serve it: y holds the other one
+    clock.advance(120)
+    for busy in (y, z):
+        m.heartbeat(busy.id, CAROL, active=True)
+    m.tick()
+    assert a.state == LeaseState.IDLE and not events_of(m, "warning")
+    m.release(gang.id, BOB)  # nobody waits: the lease's own idle timeout holds
+    clock.advance(400)
+    m.tick()
+    assert a.state == LeaseState.IDLE
+    clock.advance(75)
+    m.tick()
+    assert [(w["lease_id"], w["deadline"]) for w in events_of(m, "warning")] == [(a.id, a.last_activity + 600)]
+    clock.advance(10)
     m.tick()
     assert a.state == LeaseState.REVOKED and a.reason == "idle"
 
