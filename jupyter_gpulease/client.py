@@ -249,6 +249,12 @@ class BrokerClient:
     def _action(self, lease_id: str, action: str, body: dict[str, Any]) -> LeaseView:
         return LeaseView.from_json(self.request("POST", f"/api/v1/leases/{lease_id}/{action}", body))
 
+    def notify(self, events: list[str] | None = None) -> dict[str, Any]:
+        """The kinds of events the broker tells you about (and over which channels); ``events``: choose them."""
+        if events is None:
+            return self.request("GET", "/api/v1/notify")
+        return self.request("PUT", "/api/v1/notify", {"events": events})
+
     def reservations(self) -> list[dict[str, Any]]:
         """Advance reservations that have not ended (booked and active)."""
         return list(self.request("GET", "/api/v1/reservations")["reservations"])

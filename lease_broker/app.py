@@ -25,9 +25,11 @@ from .inventory import Inventory, inventory_class
 from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager.manager import LeaseManager
+from .notify.notifier import Notifier
 from .policy.lease_policy import LeasePolicy
 from .service import BrokerService
 from .store.lease_store import Store
+from .store.notify_store import NotifyStore
 
 
 def _nvidia_driver_present() -> bool:
@@ -67,7 +69,7 @@ class LeaseBroker(Application):
     version = __version__
     description = "Lease GPUs to notebook cells: a broker that queues requests and grants time-limited leases."
     examples = "lease-broker --inventory=simulated --gpus=4\nlease-broker --generate-config"
-    classes = [LeasePolicy, SimulatedInventory, NVMLInventory]
+    classes = [LeasePolicy, SimulatedInventory, NVMLInventory, Notifier]
 
     inventory_name = Unicode(
         "auto",
@@ -187,7 +189,9 @@ class LeaseBroker(Application):
             gc.enable()
         auth = Authenticator(store, admin_check(set(self.admin_users), set(self.admin_groups), self.root_is_admin))
         info = {"version": __version__, "broker": self.name}
-        service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout)
+        notifier = Notifier(NotifyStore(store), manager.events.subscribe, self.policy.groups_of, parent=self)
+        service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout,
+                                notifier)
         where = []
         if self.socket_path:
             service.listen_unix(self.socket_path)

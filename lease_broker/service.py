@@ -18,6 +18,7 @@ from .api.metrics_http import MetricsHandler
 from .api.routes import default_handlers
 from .core.errors import LeaseError
 from .manager.manager import LeaseManager
+from .notify.notifier import Notifier
 
 log = logging.getLogger("lease_broker")
 
@@ -27,10 +28,11 @@ class StartupError(LeaseError):
     reason = "startup"
 
 
-def make_app(manager: LeaseManager, auth: Authenticator, info: dict[str, Any]) -> web.Application:
-    ctx = {"manager": manager, "auth": auth, "info": info}
+def make_app(manager: LeaseManager, auth: Authenticator, info: dict[str, Any],
+             notifier: Notifier | None = None) -> web.Application:
+    ctx = {"manager": manager, "auth": auth, "info": info, "notifier": notifier}
     handlers: list[Any] = [(path, cls, ctx) for path, cls in default_handlers()]
-    handlers.append((r"/metrics", MetricsHandler, {"manager": manager, "cache": {}}))
+    handlers.append((r"/metrics", MetricsHandler, {"manager": manager, "notifier": notifier, "cache": {}}))
     handlers.append((r".*", NotFoundHandler, ctx))
     return web.Application(handlers, websocket_ping_interval=20, log_function=_log_request)
 
@@ -75,9 +77,11 @@ class BrokerService:
     """Listeners and timers around a LeaseManager."""
 
     def __init__(self, manager: LeaseManager, auth: Authenticator, info: dict[str, Any],
-                 tick_seconds: float = 1.0, sample_seconds: float = 2.0, request_timeout: float = 30.0) -> None:
+                 tick_seconds: float = 1.0, sample_seconds: float = 2.0, request_timeout: float = 30.0,
+                 notifier: Notifier | None = None) -> None:
         self.manager = manager
-        self.app = make_app(manager, auth, info)
+        self.notifier = notifier
+        self.app = make_app(manager, auth, info, notifier)
         self.server = httpserver.HTTPServer(self.app, idle_connection_timeout=request_timeout * 10,
                                             body_timeout=request_timeout, max_body_size=1 << 20,
                                             xheaders=False)
@@ -109,6 +113,8 @@ class BrokerService:
             self._timers.append(ioloop.PeriodicCallback(self._sample, self.sample_seconds * 1000))
         for t in self._timers:
             t.start()
+        if self.notifier is not None:
+            ioloop.IOLoop.current().add_callback(self.notifier.start)  # its tasks run in the loop
 
     def _tick(self) -> None:
         try:
@@ -140,6 +146,8 @@ class BrokerService:
     def stop(self) -> None:
         for t in self._timers:
             t.stop()
+        if self.notifier is not None:
+            self.notifier.stop()
         self.server.stop()
         if self.unix_path and os.path.exists(self.unix_path):
             try:

@@ -41,10 +41,12 @@ def blocks() -> dict[str, str]:
     out = {"magic-usage": magic_usage(), "magic-options": traits_table(GpuMagics)}
     try:
         from lease_broker.app import LeaseBroker
+        from lease_broker.notify.notifier import Notifier
         from lease_broker.policy.lease_policy import LeasePolicy
 
         out["policy-options"] = traits_table(LeasePolicy)
         out["broker-options"] = traits_table(LeaseBroker)
+        out["notifier-options"] = traits_table(Notifier)
     except ImportError:
         pass
     return out

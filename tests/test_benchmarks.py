@@ -60,6 +60,18 @@ def test_quick_enforcement_benchmark_sees_every_lease_revoked_or_expired(tmp_pat
     assert "<!-- bench:enforcement -->" in out.read_text()
 
 
+def test_quick_notify_benchmark_grants_beside_a_hanging_webhook(tmp_path: Path) -> None:
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "notify", "--output", str(out), "--json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # every lease was granted at once
+    grants, ratio = json.loads(data.read_text())["modules"]["notify"]["figures"]
+    assert grants["n"] == grants["baseline"]["n"] == 40 and ratio["unit"] == "ratio" and ratio["bar"]
+    assert "<!-- bench:notify -->" in out.read_text()
+
+
 def test_backends_benchmark_measures_the_single_host_and_lists_engines(tmp_path: Path) -> None:
     """The single-host column of the backends module (the engines' columns run in `make bench`)."""
     from benchmarks.backends import BACKENDS, Backend, SingleHost, measure

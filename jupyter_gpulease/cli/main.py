@@ -14,6 +14,7 @@ from typing import Any
 from gpulease_protocol.requests import parse_duration, request_fields
 
 from ..client import BrokerClient, BrokerError
+from ..notify import USAGE, notify, notify_text
 from ..tables import fmt_duration, gpus_table, lease_text, leases_table, queue_table, status_text
 from . import admin
 
@@ -123,7 +124,7 @@ def _client(url: str | None) -> BrokerClient:
 
 
 COMMANDS_GROUP = "jupyter_gpulease.commands"
-BUILTIN_COMMANDS = ("status", "gpus", "queue", "leases", "request", "release", "renew", "show", "admin")
+BUILTIN_COMMANDS = ("status", "gpus", "queue", "leases", "request", "release", "renew", "show", "notify", "admin")
 
 
 def _registered_command(argv: list[str]) -> int | None:
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
                     "cancelled and the exit status is 1 (see --queue)")
     rp.add_argument("--queue", action="store_true",
                     help="with --wait SECONDS: keep the request queued when the wait ends (exit status 0)")
+    np_ = sub.add_parser("notify", help="what the broker tells you about when JupyterLab is closed",
+                         description=USAGE)
+    np_.add_argument("words", nargs="*", metavar="show|on|off|KIND[,KIND]",
+                     help="nothing or show: your choice; on/off: every kind or none; else the kinds to keep")
     admin.add_parser(sub)
     for name, hlp in (("release", "release (or cancel) a lease"), ("renew", "extend a lease"),
                       ("show", "one lease with its history")):
@@ -210,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             out = lease.raw if args.json else f"{lease.id} {lease.state}"
         elif args.cmd == "admin":
             out = admin.run(c, args)
+        elif args.cmd == "notify":
+            answer = notify(c, args.words)
+            out = answer if args.json else notify_text(answer)
         elif args.cmd == "renew":
             try:
                 seconds = parse_duration(args.time, "--time") if args.time is not None else None

@@ -27,6 +27,7 @@ from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
 from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
+from ..notify import notify, notify_text
 from ..tables import fmt_duration, leases_table, queue_table, status_text, table
 from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
@@ -36,7 +37,7 @@ from .sessions import Session, Sessions
 
 LINE_COMMANDS = """
 Line magic: %gpu status | leases [N] | queue | release ID | sessions | session stop NAME
-            | artifacts [N] | jobs
+            | artifacts [N] | jobs | notify [show | on | off | KIND[,KIND]]
 """
 
 
@@ -211,6 +212,8 @@ class GpuMagics(Magics):
         if args.session and args.bg:
             raise UsageError("%%gpu: --session and --bg cannot be combined")
         labels = {"source": "%%gpu", "cell": self._cell_name().strip("<>")}
+        if args.bg:
+            labels["bg"] = args.bg  # the broker tells its owner when it ends (gpulease notify: bg)
         if os.environ.get("JPY_SESSION_NAME"):
             labels["notebook"] = os.environ["JPY_SESSION_NAME"][-200:]
         request["labels"] = labels
@@ -324,6 +327,8 @@ class GpuMagics(Magics):
                 print(f"session {s.name!r} stopped; lease {s.lease_id} released")
             elif cmd == "artifacts":
                 return self._artifacts(int(rest[0]) if rest else 10)
+            elif cmd == "notify":
+                print(notify_text(notify(self.client, rest)))
             elif cmd == "jobs":
                 rows = [[j.name, j.state, j.lease_id or "-", fmt_duration(time.time() - j.started), j.error or ""]
                         for j in self.jobs.values()]

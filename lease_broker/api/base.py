@@ -13,6 +13,7 @@ from ..core.errors import BadRequest, Forbidden, LeaseError
 from ..core.identity import Identity
 from ..core.lease import Lease, parse_duration
 from ..manager.manager import LeaseManager
+from ..notify.notifier import Notifier
 from .auth import Authenticator
 
 #: The shapes of ids in routes.
@@ -29,10 +30,12 @@ class BaseHandler(web.RequestHandler):
     manager: LeaseManager
     who: Identity
 
-    def initialize(self, manager: LeaseManager, auth: Authenticator, info: dict[str, Any]) -> None:
+    def initialize(self, manager: LeaseManager, auth: Authenticator, info: dict[str, Any],
+                   notifier: Notifier | None = None) -> None:
         self.manager = manager
         self.auth = auth
         self.info = info
+        self.notifier = notifier
 
     def prepare(self) -> None:
         stream = getattr(self.request.connection, "stream", None)

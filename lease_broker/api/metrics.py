@@ -11,11 +11,12 @@ from prometheus_client.registry import Collector
 
 from ..core.lease import LeaseState
 from ..manager.manager import LeaseManager
+from ..notify.notifier import Notifier
 
 
 class BrokerCollector(Collector):
-    def __init__(self, manager: LeaseManager) -> None:
-        self.m = manager
+    def __init__(self, manager: LeaseManager, notifier: Notifier | None = None) -> None:
+        self.m, self.notifier = manager, notifier
 
     def collect(self) -> Iterator[Any]:
         m = self.m
@@ -68,10 +69,16 @@ class BrokerCollector(Collector):
                                   "iteration that changed leases)", value=m.group.groups)
         yield CounterMetricFamily("gpulease_store_writes", "Lease writes stored (in group commits)",
                                   value=m.group.writes)
+        sent = CounterMetricFamily("gpulease_notifications", "Notifications by channel and result (sent, retried: "
+                                   "an attempt failed and will be retried, failed: given up)",
+                                   labels=["channel", "result"])
+        for (channel, result), n in sorted((self.notifier.counts if self.notifier else {}).items()):
+            sent.add_metric([channel, result], n)
+        yield sent
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
 
 
-def registry_for(manager: LeaseManager) -> CollectorRegistry:
+def registry_for(manager: LeaseManager, notifier: Notifier | None = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)  # True would collect once at start, over every lease
-    reg.register(BrokerCollector(manager))
+    reg.register(BrokerCollector(manager, notifier))
     return reg

@@ -10,11 +10,12 @@ from typing import Any
 from tornado import web
 
 from ..manager.manager import LeaseManager
+from ..notify.notifier import Notifier
 
 
 class MetricsHandler(web.RequestHandler):
-    def initialize(self, manager: LeaseManager, cache: dict[str, Any]) -> None:
-        self.manager = manager
+    def initialize(self, manager: LeaseManager, cache: dict[str, Any], notifier: Notifier | None = None) -> None:
+        self.manager, self.notifier = manager, notifier
         self.cache = cache  # the application's: holds its registry once made
 
     def get(self) -> None:
@@ -24,6 +25,6 @@ class MetricsHandler(web.RequestHandler):
 
         registry = self.cache.get("registry")
         if registry is None:
-            registry = self.cache["registry"] = registry_for(self.manager)
+            registry = self.cache["registry"] = registry_for(self.manager, self.notifier)
         self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         self.finish(generate_latest(registry))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from . import cluster, events, leases, policy, reservations, usage
+from . import cluster, events, leases, notify, policy, reservations, usage
 from .base import Routes
 
 PREFIX = "/api/v1"
 
 
 def default_handlers(prefix: str = PREFIX) -> Routes:
-    return [route for module in (cluster, leases, events, policy, reservations, usage) for route in module.routes(prefix)]
+    return [route for module in (cluster, leases, events, notify, policy, reservations, usage) for route in module.routes(prefix)]

@@ -45,6 +45,7 @@ class GroupCommit:
         self.groups = 0  # committed groups, and the writes in them (GET /metrics)
         self.writes = 0
         store.before_transaction = self._before_transaction
+        store.join_group = lambda: self.write(_nothing)
 
     @contextmanager
     def write(self, undo: Callable[[], None]) -> Iterator[sqlite3.Connection]:
@@ -134,6 +135,10 @@ class GroupCommit:
         """Another write (drains, tokens, reservations, the policy audit) starts a transaction of its own: the
         group commits first, so that write keeps its own all-or-nothing answer."""
         self.flush()
+
+
+def _nothing() -> None:
+    """The undo of a write that changed nothing in memory."""
 
 
 def _loop_running() -> bool:

@@ -11,7 +11,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from operator import itemgetter
 from typing import Any
 
@@ -205,10 +205,16 @@ class Store:
             ) from e
         #: called before a transaction of its own starts (the group commit commits what it holds first)
         self.before_transaction: Callable[[], None] | None = None
+        self.join_group: Callable[[], AbstractContextManager[sqlite3.Connection]] | None = None
         self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
 
     def transaction(self) -> "_Tx":
         return _Tx(self)
+
+    def batched(self) -> AbstractContextManager[sqlite3.Connection]:
+        """Statements that may share the open group commit (nothing to undo in memory if it fails): in it when
+        there is one (``GroupCommit`` sets ``join_group``), else in a transaction of their own."""
+        return self.join_group() if self.join_group is not None else self.transaction()
 
     def unwritable(self, e: BaseException) -> StoreError:
         return StoreError(f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
