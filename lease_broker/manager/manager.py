@@ -98,6 +98,7 @@ class LeaseManager:
     @samples.setter
     def samples(self, samples: dict[str, GpuSample]) -> None:
         self.state.samples = samples
+        self.gpu_summary.sampled(samples, self.state.gpu_by_id)
 
     @property
     def order(self) -> list[str]:
