@@ -111,6 +111,10 @@ def test_renew_beyond_maximum_refused(broker_factory):
     with pytest.raises(BrokerError) as e:
         c.renew(lease["id"], "2h")
     assert e.value.status == 403 and e.value.reason == "max_duration"
+    # the view says how far a renewal may go (the sidebar's Extend choices), and a renewal reaches exactly that
+    limit = lease["granted_at"] + 600
+    assert lease["max_expires_at"] == limit and e.value.body["max_expires_at"] == limit
+    assert c.renew(lease["id"], limit - c.info()["time"] - 1)["expires_at"] <= limit
 
 
 def test_revoke_stops_attached_processes_and_drains(broker):
