@@ -24,9 +24,9 @@ from ..core.lease import (
     LeaseState,
     check_transition,
     describe_request,
-    parse_duration,
     parse_request,
     reason_slug,
+    renewal_seconds,
 )
 from ..core.scheduler import Pending, schedule
 from ..inventory import Inventory
@@ -170,12 +170,12 @@ class LeaseManager:
         self.end(lease, target, "admin:" + reason_slug(reason, "revoked"))
         return lease
 
-    def renew(self, lease_id: str, who: Identity, duration: Any) -> Lease:
+    def renew(self, lease_id: str, who: Identity, duration: Any, extend: Any = None) -> Lease:
         lease = self.access.own_live(lease_id, who)
-        seconds = parse_duration(duration, "duration_seconds") if duration is not None else lease.duration_seconds
+        now = self.clock.now()
+        seconds = renewal_seconds(lease, duration, extend, now)  # from now; ``extend``: past the current end
         if seconds <= 0:
             raise BadRequest(f"Invalid duration_seconds {duration!r}: must be > 0")
-        now = self.clock.now()
         if lease.state == LeaseState.QUEUED:
             seconds = min(seconds, float(self.policy.limit(lease.user, "max_duration_seconds")))
             self.policy.check_day_quota(lease.user, lease.gpu_count, seconds)
