@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from browser_support import ARTIFACTS, card, chromium_missing, open_panel, status_item
+from browser_support import ARTIFACTS, card, chromium_missing, open_panel, status_item, wait_until
 
 if why := chromium_missing():
     pytest.skip(why, allow_module_level=True)
@@ -144,3 +144,26 @@ def test_reserved_gpus_show_for_whom(lab, page, client):
     client.request("DELETE", f"/api/v1/reservations/{r['id']}")
     expect(reserved).to_have_count(0)
     expect(status_item(page)).to_have_text("GPUs 4/4 free")
+
+
+def test_quickstart_opens_unmodified(lab, page):
+    """The demo's copy of the quickstart (make_examples.py --copy-to) opens without the "modified" dot, also once
+    its kernel has told JupyterLab its language_info (which JupyterLab writes into the notebook)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "scripts" / "make_examples.py"), "--copy-to", str(lab.root_dir)],
+                   check=True)
+    infos: list[bytes] = []
+    page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: infos.append(
+        payload if isinstance(payload, bytes) else payload.encode()) if b"kernel_info_reply" in (
+        payload if isinstance(payload, bytes) else payload.encode()) else None))
+    page.goto(f"{lab.url}/lab/tree/quickstart.ipynb?token={lab.token}")
+    page.wait_for_selector("#jupyterlab-splash", state="detached")
+    expect(page.locator(".jp-StatusBar-Widget", has_text="Python 3 (ipykernel) | Idle").first).to_be_visible()
+    assert wait_until(lambda: bool(infos)), "the kernel never answered kernel_info"
+    page.evaluate("() => new Promise(r => setTimeout(r, 0))")  # let the page handle that answer
+    tab = page.locator(".lm-TabBar-tab.jp-mod-current", has_text="quickstart.ipynb")
+    expect(tab).to_be_visible()
+    assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), "quickstart.ipynb opened modified"
