@@ -11,10 +11,8 @@ NODES=${DEMO_NODES:-1}
 PORT=${DEMO_PORT:-8888}
 IP=${DEMO_IP:-127.0.0.1}
 NOTEBOOKS="$DEMO_DIR/notebooks"
-mkdir -p "$NOTEBOOKS"
-for nb in examples/*.ipynb; do
-    [ -e "$NOTEBOOKS/$(basename "$nb")" ] || cp "$nb" "$NOTEBOOKS/"
-done
+# copies stamped with this environment's kernel metadata, so they open unmodified (copies already there are kept)
+"$BIN/python" scripts/make_examples.py --copy-to "$NOTEBOOKS"
 
 # Unix socket paths are limited to ~107 bytes
 SOCK="$DEMO_DIR/broker.sock"
@@ -22,17 +20,35 @@ if [ ${#SOCK} -gt 100 ]; then SOCK="/tmp/gpulease-demo-$(id -u)/broker.sock"; mk
 export GPULEASE_BROKER="unix://$SOCK"
 export GPULEASE_ARTIFACT_ROOT="$NOTEBOOKS/artifacts"   # inside the server's root: the sidebar opens them
 
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT INT TERM
+# One Ctrl-C stops both, in order: JupyterLab first (its kernels release their leases), then the broker. The
+# terminal's Ctrl-C reaches JupyterLab (our process group) and this script, never the broker (its own session);
+# a SIGINT or SIGTERM to this script alone does the same.
+BROKER_PID="" LAB_PID=""
+stop() {  # stop PID NAME: SIGTERM, then wait for it (SIGKILL after 30 s)
+    [ -n "$1" ] && kill -0 "$1" 2>/dev/null || return 0
+    kill -TERM "$1" 2>/dev/null || true
+    for _ in $(seq 1 300); do kill -0 "$1" 2>/dev/null || { wait "$1" 2>/dev/null || true; return 0; }; sleep 0.1; done
+    echo "$2 did not stop within 30 s: SIGKILL"; kill -KILL "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true
+}
+cleanup() {
+    trap - INT TERM EXIT
+    stop "$LAB_PID" JupyterLab
+    stop "$BROKER_PID" "The broker"
+    [ -n "$BROKER_PID" ] && echo "Stopped JupyterLab and the broker."
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
+SETSID=()
+command -v setsid >/dev/null && SETSID=(setsid)
 echo "Starting the lease broker with $GPUS simulated GPUs on $NODES node(s): $GPULEASE_BROKER"
-"$BIN/lease-broker" --inventory=simulated --gpus="$GPUS" --nodes="$NODES" --socket="$SOCK" \
+"${SETSID[@]}" "$BIN/lease-broker" --inventory=simulated --gpus="$GPUS" --nodes="$NODES" --socket="$SOCK" \
     --db="$DEMO_DIR/leases.db" >"$DEMO_DIR/broker.log" 2>&1 &
-pids+=($!)
+BROKER_PID=$!
 for _ in $(seq 1 200); do
     "$BIN/gpulease" status >/dev/null 2>&1 && break
-    kill -0 "${pids[0]}" 2>/dev/null || { echo "The broker failed to start:"; cat "$DEMO_DIR/broker.log"; exit 1; }
+    kill -0 "$BROKER_PID" 2>/dev/null || { echo "The broker failed to start:"; cat "$DEMO_DIR/broker.log"; exit 1; }
     sleep 0.1
 done
 "$BIN/gpulease" status
@@ -47,8 +63,9 @@ JSON
 TOKEN=${DEMO_TOKEN:-$("$BIN/python" -c 'import secrets; print(secrets.token_hex(16))')}
 ROOT_FLAG=()
 [ "$(id -u)" = 0 ] && ROOT_FLAG=(--allow-root)
-LAB=("$BIN/jupyter" lab --no-browser --ip="$IP" --port="$PORT" --ServerApp.token="$TOKEN"
-     --ServerApp.root_dir="$NOTEBOOKS" --ServerApp.port_retries=0 "${ROOT_FLAG[@]}")
+# --ServerApp.answer_yes: a Ctrl-C stops JupyterLab at once (no "Shut down this Jupyter server (y/[n])?")
+LAB=("$BIN/jupyter" lab --no-browser --ip="$IP" --port="$PORT" --IdentityProvider.token="$TOKEN"
+     --ServerApp.root_dir="$NOTEBOOKS" --ServerApp.port_retries=0 --ServerApp.answer_yes=True "${ROOT_FLAG[@]}")
 URL="http://$IP:$PORT/lab/tree/quickstart.ipynb?token=$TOKEN"
 
 fetch() {  # fetch URL -> body on stdout; fails on HTTP errors (no curl needed)
@@ -57,7 +74,7 @@ fetch() {  # fetch URL -> body on stdout; fails on HTTP errors (no curl needed)
 
 if [ "${DEMO_CHECK:-0}" = 1 ]; then
     "${LAB[@]}" >"$DEMO_DIR/lab.log" 2>&1 &
-    pids+=($!)
+    LAB_PID=$!
     for _ in $(seq 1 300); do
         if fetch "http://$IP:$PORT/api/status?token=$TOKEN" >/dev/null 2>&1; then
             echo "JupyterLab answers at http://$IP:$PORT/lab"
@@ -67,7 +84,7 @@ if [ "${DEMO_CHECK:-0}" = 1 ]; then
                 && echo "server extension: answers" || echo "server extension: NOT ANSWERING"
             exit 0
         fi
-        kill -0 "${pids[1]}" 2>/dev/null || { echo "JupyterLab failed to start:"; tail -30 "$DEMO_DIR/lab.log"; exit 1; }
+        kill -0 "$LAB_PID" 2>/dev/null || { echo "JupyterLab failed to start:"; tail -30 "$DEMO_DIR/lab.log"; exit 1; }
         sleep 0.2
     done
     echo "JupyterLab did not answer within 60 s"; tail -30 "$DEMO_DIR/lab.log"; exit 1
@@ -76,4 +93,7 @@ fi
 echo
 echo "Open $URL"
 echo "(the GPU panel is in the left sidebar; Ctrl-C stops JupyterLab and the broker)"
-"${LAB[@]}"
+"${LAB[@]}" </dev/null &
+LAB_PID=$!
+wait "$LAB_PID" || true  # returns at once on a signal: the trap then stops both
+LAB_PID=""

@@ -1,10 +1,12 @@
 """Write the example notebooks (examples/*.ipynb) from the cells below, so they stay reviewable as code.
 
 Run: .venv/bin/python scripts/make_examples.py
+     .venv/bin/python scripts/make_examples.py --copy-to DIR   # copies for this environment's kernel (make demo)
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import nbformat
@@ -126,14 +128,45 @@ SESSIONS = [
 ]
 
 
+KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+
+
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     for name, cells in (("quickstart", QUICKSTART), ("hyperparameter_search", SEARCH), ("sessions", SESSIONS)):
-        nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                "language": "python"}})
+        nb = new_notebook(cells=cells, metadata={"kernelspec": dict(KERNELSPEC)})
         nbformat.write(nb, HERE / f"{name}.ipynb")
         print("wrote", HERE / f"{name}.ipynb")
 
 
+def copy_for_this_kernel(dest: Path) -> list[Path]:
+    """Copy the examples into ``dest`` (a copy already there is kept: it may hold the user's work) with the metadata
+    of the kernel they will run on here: the kernelspec's display name and the kernel's ``language_info``
+    (the Python version). JupyterLab writes those into a notebook when its kernel starts and marks it modified
+    if they differ, so a plain copy would open already modified."""
+    from ipykernel.ipkernel import IPythonKernel
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec(KERNELSPEC["name"])
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for source in sorted(HERE.glob("*.ipynb")):
+        target = dest / source.name
+        if target.exists():
+            continue
+        nb = nbformat.read(source, as_version=4)
+        nb.metadata["kernelspec"] = {"name": KERNELSPEC["name"], "display_name": spec.display_name,
+                                     "language": spec.language}
+        nb.metadata["language_info"] = dict(IPythonKernel.language_info)
+        nbformat.write(nb, target)
+        written.append(target)
+    return written
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--copy-to"] and len(sys.argv) == 3:
+        copy_for_this_kernel(Path(sys.argv[2]))
+    elif len(sys.argv) > 1:
+        sys.exit("usage: make_examples.py [--copy-to DIR]")
+    else:
+        main()

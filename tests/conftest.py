@@ -31,9 +31,10 @@ def broker_factory(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture
-def broker(broker_factory) -> BrokerProcess:
-    """A real broker process with 4 simulated GPUs on a Unix socket, fast ticks."""
-    return broker_factory(gpus=4, args=["--tick=0.1"])
+def broker(broker_factory, request) -> BrokerProcess:
+    """A real broker process with 4 simulated GPUs on a Unix socket, fast ticks; a test may add broker
+    arguments with ``@pytest.mark.parametrize("broker", [[...]], indirect=True)``."""
+    return broker_factory(gpus=4, args=["--tick=0.1", *getattr(request, "param", [])])
 
 
 @pytest.fixture
@@ -69,5 +70,6 @@ def slurm_cluster() -> Iterator:
         yield c
 
 
-# pytest-jupyter's fixtures (jp_fetch, jp_serverapp, ...) for the server extension tests
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
+# pytest-jupyter's fixtures (jp_fetch, jp_serverapp, ...) for the server extension tests; the browser tests' lab
+# and page (tests/browser_support.py)
+pytest_plugins = ["pytest_jupyter.jupyter_server", "browser_support"]

@@ -2,85 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from browser_support import ARTIFACTS, card, chromium_missing, open_panel, status_item, wait_until
 
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+if why := chromium_missing():
+    pytest.skip(why, allow_module_level=True)
 
-if not os.path.exists(CHROMIUM) and os.geteuid() != 0:
-    pytest.skip(f"{CHROMIUM} is missing and we are not root to install it: run `make system-deps` as root "
-                "(apt-get install chromium)", allow_module_level=True)
-
-from lab_server import LabServer  # noqa: E402
-from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import expect
 
 pytestmark = pytest.mark.browser
-
-WAIT_MS = 60_000  # bounds for conditions to appear (not timings we assert)
-expect.set_options(timeout=WAIT_MS)
-
-
-@pytest.fixture
-def broker(broker_factory, request):
-    """The conftest broker; a test may pass extra broker arguments with @pytest.mark.parametrize(indirect=True)."""
-    return broker_factory(gpus=4, args=["--tick=0.1", *getattr(request, "param", [])])
-
-
-@pytest.fixture
-def lab(broker, tmp_path) -> Iterator[LabServer]:
-    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: run `make system-deps` (apt-get install chromium)"
-    server = LabServer(tmp_path / "lab", env={
-        "GPULEASE_BROKER": broker.url,
-        "GPULEASE_ARTIFACT_ROOT": str(tmp_path / "lab" / "root" / "gpulease-artifacts"),
-    }).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def page(lab: LabServer, request) -> Iterator[Page]:
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run"],
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.set_default_timeout(WAIT_MS)
-        yield page
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-final.png"))
-        browser.close()
-
-
-def wait_until(condition, timeout: float = 30.0) -> bool:
-    """Poll a condition on a real process (bounded); True once it holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return bool(condition())
-
-
-def open_panel(page: Page, lab: LabServer) -> None:
-    page.goto(f"{lab.url}/lab?token={lab.token}")
-    page.wait_for_selector("#jupyterlab-splash", state="detached")
-    page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
-    expect(page.locator("#gpulease-panel")).to_be_visible()
-
-
-def card(page: Page, gpu_id: str):
-    return page.locator(f'#gpulease-panel .jp-GpuLease-card[data-gpu-id="{gpu_id}"]')
-
-
-def status_item(page: Page):
-    return page.locator(".jp-GpuLease-statusItem")
 
 
 def test_sidebar_follows_the_broker(lab, page, client, broker):
@@ -196,7 +128,9 @@ def test_expiry_warning_notifies_with_an_extend_action(lab, page, client):
     page.screenshot(path=str(ARTIFACTS / "expiry-warning.png"))
     before = client.lease(lease["id"])["expires_at"]
     toast.get_by_role("button", name="Extend").click()
-    assert wait_until(lambda: client.lease(lease["id"])["expires_at"] > before), "Extend did not renew the lease"
+    page.locator(".jp-Dialog").get_by_role("button", name="+1 h").click()  # the same choices as the panel's Extend
+    expect(page.locator(".Toastify__toast", has_text=f"Lease {lease['id']} extended by 1h 00m")).to_be_visible()
+    assert client.lease(lease["id"])["expires_at"] == pytest.approx(before + 3600)
 
 
 def test_reserved_gpus_show_for_whom(lab, page, client):
@@ -210,3 +144,26 @@ def test_reserved_gpus_show_for_whom(lab, page, client):
     client.request("DELETE", f"/api/v1/reservations/{r['id']}")
     expect(reserved).to_have_count(0)
     expect(status_item(page)).to_have_text("GPUs 4/4 free")
+
+
+def test_quickstart_opens_unmodified(lab, page):
+    """The demo's copy of the quickstart (make_examples.py --copy-to) opens without the "modified" dot, also once
+    its kernel has told JupyterLab its language_info (which JupyterLab writes into the notebook)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "scripts" / "make_examples.py"), "--copy-to", str(lab.root_dir)],
+                   check=True)
+    infos: list[bytes] = []
+    page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: infos.append(
+        payload if isinstance(payload, bytes) else payload.encode()) if b"kernel_info_reply" in (
+        payload if isinstance(payload, bytes) else payload.encode()) else None))
+    page.goto(f"{lab.url}/lab/tree/quickstart.ipynb?token={lab.token}")
+    page.wait_for_selector("#jupyterlab-splash", state="detached")
+    expect(page.locator(".jp-StatusBar-Widget", has_text="Python 3 (ipykernel) | Idle").first).to_be_visible()
+    assert wait_until(lambda: bool(infos)), "the kernel never answered kernel_info"
+    page.evaluate("() => new Promise(r => setTimeout(r, 0))")  # let the page handle that answer
+    tab = page.locator(".lm-TabBar-tab.jp-mod-current", has_text="quickstart.ipynb")
+    expect(tab).to_be_visible()
+    assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), "quickstart.ipynb opened modified"

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import signal
 import socket
 import subprocess
+import termios
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,3 +35,84 @@ def test_demo_script_starts_broker_and_lab_with_the_extensions(tmp_path: Path) -
     assert "server extension: answers" in out.stdout
     assert sorted(p.name for p in (tmp_path / "demo" / "notebooks").glob("*.ipynb")) == [
         "hyperparameter_search.ipynb", "quickstart.ipynb", "sessions.ipynb"]
+
+
+def _ours(marker: str) -> list[str]:
+    """Processes whose command line names ``marker`` (the demo's directory): its broker, JupyterLab, their kernels."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(marker.encode() in a for a in argv) and cmdline.parent.name != str(os.getpid()):
+            found.append(f"{cmdline.parent.name}: {b' '.join(argv).decode(errors='replace')[:200]}")
+    return found
+
+
+def test_one_ctrl_c_stops_jupyterlab_and_the_broker(tmp_path: Path) -> None:
+    """``make demo`` in a terminal (a pseudo-terminal here), then one Ctrl-C typed into it."""
+    demo, port, token = tmp_path / "demo", _free_port(), "t" * 32
+    env = {**os.environ, "DEMO_PORT": str(port), "DEMO_GPUS": "2", "DEMO_TOKEN": token}
+    env.pop("GPULEASE_BROKER", None)
+    master, terminal = pty.openpty()
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "demo.sh"), str(demo)], env=env, stdin=terminal,
+                            stdout=terminal, stderr=terminal, start_new_session=True,
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # its controlling terminal
+    os.close(terminal)
+    out = bytearray()
+    reader = threading.Thread(target=_drain, args=(master, out), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert proc.poll() is None, out.decode(errors="replace")
+        assert len(_ours(str(demo))) >= 2, "the broker and JupyterLab run"
+        os.write(master, b"\x03")  # Ctrl-C: the terminal signals its foreground process group
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(10)
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert _ours(str(demo)) == [], text
+    assert not (demo / "broker.sock").exists(), "the broker's socket is left behind"
+    assert "Stopped JupyterLab and the broker." in text
+    assert "Shut down this Jupyter server" not in text
+    assert "deprecated" not in text.lower(), text  # current option names (--IdentityProvider.token)
+
+
+def _drain(fd: int, into: bytearray) -> None:
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: every process on the terminal has closed it
+            return
+        if not chunk:
+            return
+        into.extend(chunk)
+
+
+def test_example_notebooks_are_in_the_form_jupyter_writes() -> None:
+    """JupyterLab rewrites a notebook that is not in nbformat's own form, or whose kernelspec is not the installed
+    one's, and shows it modified on open (the kernel's language_info is stamped by ``make_examples.py --copy-to``:
+    tests/test_browser.py opens such a copy)."""
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    for path in sorted((ROOT / "examples").glob("*.ipynb")):
+        text = path.read_text()
+        nb = nbformat.reads(text, as_version=4)
+        nbformat.validate(nb)
+        assert nbformat.writes(nb) + "\n" == text, f"{path.name}: not in canonical nbformat form"
+        assert (nb.nbformat, nb.nbformat_minor) == (nbformat.current_nbformat, nbformat.current_nbformat_minor)
+        assert all(c.get("id") for c in nb.cells) and all(not c.get("outputs") for c in nb.cells)
+        assert nb.metadata["kernelspec"] == {"name": "python3", "display_name": spec.display_name,
+                                             "language": spec.language}, path.name

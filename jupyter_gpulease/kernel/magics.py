@@ -216,6 +216,8 @@ class GpuMagics(Magics):
             labels["bg"] = args.bg  # the broker tells its owner when it ends (gpulease notify: bg)
         if os.environ.get("JPY_SESSION_NAME"):
             labels["notebook"] = os.environ["JPY_SESSION_NAME"][-200:]
+        if args.session:
+            labels["session"] = args.session  # the sidebar says what releasing would stop
         request["labels"] = labels
         return {"request": request, "wait": wait, "grace": grace, "gpus": args.gpus}
 

@@ -106,6 +106,10 @@ export interface ILease {
   duration_seconds: number;
   idle_timeout_seconds: number;
   idle_deadline: number | null;
+  /** The latest end a renewal may reach under the policy (holding leases). */
+  max_expires_at?: number | null;
+  /** Processes attached to the lease (a %%gpu cell's worker while it runs). */
+  pids: number[];
   position: number | null;
   estimated_start: number | null;
   min_gpus: number;
@@ -133,6 +137,15 @@ export interface IArtifact {
   modified: number;
   meta: Record<string, any> | null;
   files: string[];
+}
+
+/** One GPU in a `gpu_samples` event: what it does at an inventory sample. */
+export interface IGpuSample {
+  id: string;
+  /** Percent. */
+  utilization: number;
+  /** Bytes. */
+  memory_used: number;
 }
 
 export interface IEvent {

@@ -54,32 +54,50 @@ export function h(
   return el;
 }
 
-const SVG = 'http://www.w3.org/2000/svg';
+/** The time between now and `epoch`, counting up (`since`) or down (`until`). */
+function counted(kind: 'since' | 'until', epoch: number, now: number): string {
+  return formatDuration(kind === 'since' ? now - epoch : epoch - now);
+}
 
-/** A utilisation sparkline (values 0..1 or 0..100) as an inline SVG. */
-export function sparkline(values: number[], label: string): SVGElement {
-  const w = 100;
-  const hgt = 20;
-  const svg = document.createElementNS(SVG, 'svg');
-  svg.setAttribute('viewBox', `0 0 ${w} ${hgt}`);
-  svg.setAttribute('preserveAspectRatio', 'none');
-  svg.setAttribute('class', 'jp-GpuLease-spark');
-  svg.setAttribute('role', 'img');
-  svg.setAttribute('aria-label', label);
-  const scale = values.some(v => v > 1) ? 100 : 1;
-  const pts = values.length ? values : [0];
-  const step = pts.length > 1 ? w / (pts.length - 1) : w;
-  const coords = pts.map((v, i) => {
-    const y = hgt - Math.max(0, Math.min(1, v / scale)) * (hgt - 2) - 1;
-    return `${(pts.length > 1 ? i * step : w).toFixed(1)},${y.toFixed(1)}`;
-  });
-  if (pts.length === 1) {
-    coords.unshift(`0,${coords[0].split(',')[1]}`);
+/**
+ * A duration that stays current: a span counting up from `epoch` (`since`) or down to it (`until`), in broker
+ * time. `tickCounters` updates every such span under a node, so a counter never needs a refetch or a re-render.
+ */
+export function counter(kind: 'since' | 'until', epoch: number, now: number, cls = ''): HTMLElement {
+  return h(
+    'span',
+    { class: `jp-GpuLease-counter ${cls}`.trim(), 'data-count': kind, 'data-epoch': epoch },
+    counted(kind, epoch, now)
+  );
+}
+
+export function tickCounters(root: HTMLElement, now: number): void {
+  for (const el of root.querySelectorAll<HTMLElement>('[data-count]')) {
+    const kind = el.dataset.count === 'since' ? 'since' : 'until';
+    const text = counted(kind, Number(el.dataset.epoch), now);
+    if (el.textContent !== text) {
+      el.textContent = text;
+    }
   }
-  const line = document.createElementNS(SVG, 'polyline');
-  line.setAttribute('points', coords.join(' '));
-  line.setAttribute('fill', 'none');
-  line.setAttribute('vector-effect', 'non-scaling-stroke');
-  svg.append(line);
-  return svg;
+}
+
+/** Seconds from a duration a person typed: "15m", "1h30m", "2h", "90s", "1.5h", "1d"; null if it is not one. */
+export function parseDuration(text: string): number | null {
+  const units: Record<string, number> = { s: 1, m: 60, h: 3600, d: 86400 };
+  const t = text.trim().toLowerCase().replace(/\s+/g, '');
+  if (!/^(\d+(\.\d+)?[smhd])+$/.test(t)) {
+    return null;
+  }
+  let total = 0;
+  for (const m of t.matchAll(/(\d+(?:\.\d+)?)([smhd])/g)) {
+    total += Number(m[1]) * units[m[2]];
+  }
+  return total > 0 ? total : null;
+}
+
+/** A local wall-clock time ("14:32"; with the date when it is not today). */
+export function formatClock(epoch: number): string {
+  const d = new Date(epoch * 1000);
+  const time = d.toLocaleTimeString([], { hour: '2-digit', minute: '2-digit' });
+  return d.toDateString() === new Date().toDateString() ? time : `${d.toLocaleDateString()} ${time}`;
 }

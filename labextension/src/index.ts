@@ -7,6 +7,7 @@ import { Notification } from '@jupyterlab/apputils';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
+import { extendLease, keepActive } from './actions';
 import { IArtifact } from './api';
 import { GpuLeaseModel } from './model';
 import { GpuLeasePanel, PANEL_ID } from './panel';
@@ -94,14 +95,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
         autoClose: false,
         actions: [
           {
-            label: 'Extend',
-            caption: `Extend lease ${leaseId}`,
+            label: event.kind === 'idle' ? 'Keep it' : 'Extend…',
+            caption: event.kind === 'idle' ? `Mark lease ${leaseId} in use` : `Extend lease ${leaseId}`,
             callback: () => {
-              model.keep(leaseId, String(event.kind)).catch(error => {
-                Notification.error(`Could not extend lease ${leaseId}: ${error?.message ?? error}`, {
-                  autoClose: 8000
-                });
-              });
+              const lease = model.leases.find(l => l.id === leaseId);
+              if (event.kind === 'idle') {
+                void keepActive(model, leaseId);
+              } else if (lease) {
+                void extendLease(model, lease);
+              } else {
+                Notification.error(`Lease ${leaseId} has ended: nothing to extend.`, { autoClose: 8000 });
+              }
             }
           },
           {

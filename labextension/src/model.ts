@@ -7,16 +7,17 @@ import {
   IArtifact,
   IEvent,
   IGpu,
+  IGpuSample,
   IInfo,
   ILease,
   IQueueEntry,
   requestAPI
 } from './api';
 
+import { SampleHistory } from './history';
+
 export type Connection = 'connecting' | 'connected' | 'unreachable';
 
-const SPARK_SAMPLES = 40;
-const SAMPLE_INTERVAL_MS = 15000; // slow refresh of utilisation samples for the sparklines only
 const MAX_BACKOFF_MS = 30000;
 const HOLDING = new Set(['granted', 'active', 'idle']);
 
@@ -33,10 +34,18 @@ export class GpuLeaseModel {
   message = '';
   /** Broker time minus local time, in seconds. */
   skew = 0;
-  readonly samples = new Map<string, number[]>();
+  /** Broker time of the last fetch of the queue (its `waited_seconds` count from then). */
+  queueFetchedAt = 0;
+  /** The last minutes of each GPU's utilisation and memory, from the `gpu_samples` events. */
+  readonly history = new SampleHistory();
 
   get changed(): ISignal<this, void> {
     return this._changed;
+  }
+
+  /** A `gpu_samples` event updated the GPUs' figures and history (no refetch). */
+  get sampled(): ISignal<this, void> {
+    return this._sampled;
   }
 
   /** A warning event about one of your leases (idle revocation or expiry coming). */
@@ -55,16 +64,10 @@ export class GpuLeaseModel {
   start(): void {
     this._connect();
     void this.refresh();
-    this._sampler = window.setInterval(() => {
-      if (this.connection === 'connected' && !document.hidden) {
-        void this.refresh();
-      }
-    }, SAMPLE_INTERVAL_MS);
   }
 
   dispose(): void {
     this._disposed = true;
-    window.clearInterval(this._sampler);
     window.clearTimeout(this._reconnectTimer);
     window.clearTimeout(this._refreshTimer);
     this._ws?.close();
@@ -110,12 +113,9 @@ export class GpuLeaseModel {
       this.skew = info.time - Date.now() / 1000;
       this.gpus = gpus.gpus;
       this.queue = queue.queue;
+      this.queueFetchedAt = info.time;
       this.leases = leases.leases.filter(l => l.user === info.user.name);
-      for (const g of this.gpus) {
-        const s = this.samples.get(g.id) ?? [];
-        s.push(g.utilization);
-        this.samples.set(g.id, s.slice(-SPARK_SAMPLES));
-      }
+      this.history.seed(info.time, this.gpus);
       this.allLeases = null;
       if (info.user.admin) {
         try {
@@ -149,28 +149,28 @@ export class GpuLeaseModel {
     this._changed.emit();
   }
 
-  async release(leaseId: string): Promise<void> {
-    await this._action(`leases/${leaseId}/release`, { reason: 'released from the JupyterLab sidebar' });
+  /** Release a lease you hold, or cancel a queued request (the broker answers the lease as it ended). */
+  release(leaseId: string): Promise<ILease> {
+    return this._action(`leases/${leaseId}/release`, { reason: 'released from the JupyterLab sidebar' });
   }
 
-  async extend(leaseId: string): Promise<void> {
-    const lease = this.leases.find(l => l.id === leaseId);
-    await this._action(`leases/${leaseId}/renew`, {
-      duration_seconds: lease?.duration_seconds || null
-    });
+  /** Move a lease's end `seconds` later (the broker adds them to the end it has, not to our idea of it). */
+  extend(lease: ILease, seconds: number): Promise<ILease> {
+    return this._action(`leases/${lease.id}/renew`, { extend_seconds: seconds });
   }
 
-  /** Answer a warning: "I still use it" marks the lease active (idle warning) and renews it (expiry). */
-  async keep(leaseId: string, kind: string): Promise<void> {
-    if (kind === 'idle') {
-      await this._action(`leases/${leaseId}/heartbeat`, { active: true });
-    } else {
-      await this.extend(leaseId);
-    }
+  /** Answer an idle warning: "I still use it" marks the lease active. */
+  keepActive(leaseId: string): Promise<ILease> {
+    return this._action(`leases/${leaseId}/heartbeat`, { active: true });
   }
 
-  async revoke(leaseId: string, reason: string): Promise<void> {
-    await this._action(`leases/${leaseId}/revoke`, { reason });
+  revoke(leaseId: string, reason: string): Promise<ILease> {
+    return this._action(`leases/${leaseId}/revoke`, { reason });
+  }
+
+  /** Seconds a queued entry has waited, counted locally from the last fetch. */
+  waited(entry: IQueueEntry): number {
+    return entry.waited_seconds + Math.max(0, this.now() - this.queueFetchedAt);
   }
 
   isMine(lease: ILease): boolean {
@@ -181,9 +181,9 @@ export class GpuLeaseModel {
     return HOLDING.has(lease.state);
   }
 
-  private async _action(path: string, body: unknown): Promise<void> {
+  private async _action(path: string, body: unknown): Promise<ILease> {
     try {
-      await requestAPI(path, { method: 'POST', body: JSON.stringify(body) }, this.settings);
+      return await requestAPI<ILease>(path, { method: 'POST', body: JSON.stringify(body) }, this.settings);
     } finally {
       await this.refresh();
     }
@@ -242,6 +242,9 @@ export class GpuLeaseModel {
         this.message = '';
         this.scheduleRefresh(0);
         return;
+      case 'gpu_samples':
+        this._onSamples(event.time ?? this.now(), event.gpus ?? []);
+        return;
       case 'warning':
         if (event.user === undefined || event.user === this.info?.user?.name) {
           this._warning.emit(event);
@@ -253,13 +256,26 @@ export class GpuLeaseModel {
     }
   }
 
+  private _onSamples(time: number, samples: IGpuSample[]): void {
+    const byId = new Map(samples.map(s => [s.id, s]));
+    for (const g of this.gpus) {
+      const s = byId.get(g.id);
+      if (s) {
+        g.utilization = s.utilization;
+        g.memory_used = s.memory_used;
+      }
+    }
+    this.history.add(time, samples, this.gpus);
+    this._sampled.emit();
+  }
+
   private _changed = new Signal<this, void>(this);
+  private _sampled = new Signal<this, void>(this);
   private _warning = new Signal<this, IEvent>(this);
   private _ws: WebSocket | null = null;
   private _backoff = 1000;
   private _reconnectTimer = 0;
   private _refreshTimer = 0;
-  private _sampler = 0;
   private _refreshing: Promise<void> | null = null;
   private _refreshAgain = false;
   private _disposed = false;

@@ -1,12 +1,14 @@
-import { Dialog, InputDialog, Notification, showErrorMessage } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
-import { IArtifact, IGpu, ILease } from './api';
-import { formatBytes, formatDuration, h, sparkline } from './format';
+import { cancelRequest, extendLease, releaseLease, revokeLease } from './actions';
+import { IArtifact, ILease, IQueueEntry } from './api';
+import { gpuCard, updateCardSample } from './cards';
+import { counter, h, tickCounters } from './format';
 import { GpuLeaseModel } from './model';
 
 export const PANEL_ID = 'gpulease-panel';
+const FULL_RENDER_TICKS = 5; // the cards' countdowns and states: every 5 s
 
 const GPU_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><g class="jp-icon3" fill="#616161">' +
@@ -14,48 +16,6 @@ const GPU_SVG =
   '</g></svg>';
 
 export const gpuIcon = new LabIcon({ name: 'jupyter-gpulease:gpu', svgstr: GPU_SVG });
-
-/** How a GPU card reads at a glance. */
-export function gpuStatus(model: GpuLeaseModel, gpu: IGpu): { kind: string; text: string } {
-  const now = model.now();
-  const mine = gpu.holders.filter(x => x.mine);
-  if (gpu.state === 'unhealthy') {
-    return { kind: 'unhealthy', text: 'unhealthy' };
-  }
-  if (gpu.state === 'draining') {
-    return { kind: 'draining', text: 'draining' };
-  }
-  if (gpu.state === 'reserved') {
-    const r = gpu.reservation;
-    if (!r) {
-      return { kind: 'reserved', text: 'reserved' };
-    }
-    const who = r.user ? (r.user === model.info?.user?.name ? 'you' : r.user) : `@${r.group}`;
-    return { kind: 'reserved', text: `reserved for ${who} · ${formatDuration(r.end - now)} left` };
-  }
-  if (gpu.state === 'shared') {
-    const users = [...new Set(gpu.holders.map(x => (x.mine ? 'you' : x.user)))].join(', ');
-    return {
-      kind: mine.length ? 'shared-mine' : 'shared',
-      text: `shared: ${gpu.holders.length} share${gpu.holders.length === 1 ? '' : 's'} (${users})`
-    };
-  }
-  if (gpu.state === 'leased') {
-    if (mine.length) {
-      const lease = model.leases.find(l => l.id === mine[0].lease_id);
-      const parts = ['yours'];
-      if (mine[0].expires_at) {
-        parts.push(`${formatDuration(mine[0].expires_at - now)} left`);
-      }
-      if (lease?.idle_deadline) {
-        parts.push(`idle in ${formatDuration(lease.idle_deadline - now)}`);
-      }
-      return { kind: 'yours', text: parts.join(' · ') };
-    }
-    return { kind: 'held', text: `held by ${gpu.holders.map(x => x.user).join(', ')}` };
-  }
-  return { kind: gpu.state, text: gpu.state };
-}
 
 /** The left-sidebar panel: GPUs, queue, your leases (all for admins), recent artifacts. */
 export class GpuLeasePanel extends Widget {
@@ -72,13 +32,20 @@ export class GpuLeasePanel extends Widget {
     this.node.setAttribute('aria-label', 'GPU leases');
     this.node.tabIndex = -1;
     model.changed.connect(() => this.render(), this);
+    model.sampled.connect(() => this.updateSamples(), this);
     this.render();
-    // countdowns tick locally, without asking the server
+    // counters tick every second and the rest every few, locally, without asking the server
+    let ticks = 0;
     this._ticker = window.setInterval(() => {
-      if (this.isVisible) {
-        this.render();
+      if (!this.isVisible) {
+        return;
       }
-    }, 5000);
+      if (++ticks % FULL_RENDER_TICKS === 0) {
+        this.render();
+      } else {
+        tickCounters(this.node, this.model.now());
+      }
+    }, 1000);
   }
 
   dispose(): void {
@@ -108,7 +75,7 @@ export class GpuLeasePanel extends Widget {
         )
       ),
       m.connection === 'unreachable' && m.message ? h('div', { class: 'jp-GpuLease-error', role: 'alert' }, m.message) : null,
-      h('div', { class: 'jp-GpuLease-cards', role: 'list', 'aria-label': 'GPUs' }, m.gpus.map(g => this.card(g))),
+      h('div', { class: 'jp-GpuLease-cards', role: 'list', 'aria-label': 'GPUs' }, m.gpus.map(g => gpuCard(m, g))),
       this.queueSection(),
       this.leaseSection('Your leases', m.leases.filter(l => m.holding(l) || l.state === 'queued'), false),
       m.isAdmin && m.allLeases ? this.leaseSection('All leases (admin)', m.allLeases.filter(l => m.holding(l) || l.state === 'queued'), true) : null,
@@ -121,23 +88,17 @@ export class GpuLeasePanel extends Widget {
     }
   }
 
-  private card(g: IGpu): HTMLElement {
-    const st = gpuStatus(this.model, g);
-    const util = g.utilization > 1 ? g.utilization : g.utilization * 100;
-    const label = `GPU ${g.index} ${g.name} on ${g.node}: ${st.text}`;
-    return h(
-      'div',
-      { class: `jp-GpuLease-card jp-mod-${st.kind}`, role: 'listitem', 'data-gpu-id': g.id, 'data-state': st.kind, 'aria-label': label, tabindex: 0, 'data-focus-key': `gpu:${g.id}` },
-      h(
-        'div',
-        { class: 'jp-GpuLease-cardTitle' },
-        h('span', { class: 'jp-GpuLease-gpuName' }, `${g.index}: ${g.name}`),
-        g.simulated ? h('span', { class: 'jp-GpuLease-badge jp-GpuLease-simulated' }, 'simulated') : null
-      ),
-      h('div', { class: 'jp-GpuLease-state' }, st.text),
-      h('div', { class: 'jp-GpuLease-mem' }, `${formatBytes(g.memory_used)} / ${formatBytes(g.memory_total)}`, h('span', { class: 'jp-GpuLease-util' }, ` · ${util.toFixed(0)}%`)),
-      sparkline(this.model.samples.get(g.id) ?? [g.utilization], `Utilisation of GPU ${g.index}, recent samples`)
-    );
+  /** A new sample: the cards' figures and charts only (a full render would disturb clicks and focus). */
+  updateSamples(): void {
+    if (!this.isVisible) {
+      return;
+    }
+    for (const g of this.model.gpus) {
+      const el = this.node.querySelector<HTMLElement>(`.jp-GpuLease-card[data-gpu-id="${CSS.escape(g.id)}"]`);
+      if (el) {
+        updateCardSample(el, this.model, g);
+      }
+    }
   }
 
   private queueSection(): HTMLElement | null {
@@ -148,68 +109,71 @@ export class GpuLeasePanel extends Widget {
       h('h3', {}, `Queue (${q.length})`),
       q.length === 0
         ? h('div', { class: 'jp-GpuLease-empty' }, 'Nobody is waiting.')
-        : h(
-            'ol',
-            { class: 'jp-GpuLease-queue' },
-            q.map(e =>
-              h(
-                'li',
-                { class: e.mine ? 'jp-GpuLease-queueItem jp-mod-mine' : 'jp-GpuLease-queueItem', 'data-lease-id': e.lease_id ?? '' },
-                `#${e.position} ${e.mine ? 'you' : e.user}: ${e.fraction < 1 ? `${e.fraction} GPU` : e.min_gpus === e.max_gpus ? `${e.min_gpus} GPU` : `${e.min_gpus}-${e.max_gpus} GPUs`}, waited ${formatDuration(e.waited_seconds)}` +
-                  (e.estimated_start ? `, starts in ~${formatDuration(e.estimated_start - this.model.now())}` : '')
-              )
-            )
-          )
+        : h('ol', { class: 'jp-GpuLease-queue' }, q.map(e => this.queueItem(e)))
+    );
+  }
+
+  private queueItem(e: IQueueEntry): HTMLElement {
+    const now = this.model.now();
+    const size = e.fraction < 1 ? `${e.fraction} GPU` : e.min_gpus === e.max_gpus ? `${e.min_gpus} GPU` : `${e.min_gpus}-${e.max_gpus} GPUs`;
+    return h(
+      'li',
+      { class: e.mine ? 'jp-GpuLease-queueItem jp-mod-mine' : 'jp-GpuLease-queueItem', 'data-lease-id': e.lease_id ?? '' },
+      `#${e.position} ${e.mine ? 'you' : e.user}: ${size}, waited `,
+      counter('since', now - this.model.waited(e), now, 'jp-GpuLease-waited'),
+      e.estimated_start ? [', starts in ~', counter('until', e.estimated_start, now)] : null
     );
   }
 
   private leaseSection(title: string, leases: ILease[], admin: boolean): HTMLElement {
-    const now = this.model.now();
     return h(
       'section',
       { class: 'jp-GpuLease-section', 'aria-label': title, 'data-section': admin ? 'all-leases' : 'my-leases' },
       h('h3', {}, `${title} (${leases.length})`),
       leases.length === 0
         ? h('div', { class: 'jp-GpuLease-empty' }, 'No leases.')
-        : h(
-            'ul',
-            { class: 'jp-GpuLease-leases' },
-            leases.map(l => {
-              const gpus = l.devices.map(d => d.index).join(', ');
-              const parts = [l.state];
-              if (l.expires_at && this.model.holding(l)) {
-                parts.push(`${formatDuration(l.expires_at - now)} left`);
-              }
-              if (l.idle_deadline) {
-                parts.push(`idle in ${formatDuration(l.idle_deadline - now)}`);
-              }
-              if (l.state === 'queued' && l.position) {
-                parts.push(`position ${l.position}`);
-              }
-              const mine = this.model.isMine(l);
-              return h(
-                'li',
-                { class: 'jp-GpuLease-lease', 'data-lease-id': l.id, 'data-state': l.state },
-                h('div', { class: 'jp-GpuLease-leaseTitle' }, `${admin ? `${l.user}: ` : ''}${l.id}`, gpus ? ` (GPU ${gpus})` : ''),
-                h('div', { class: 'jp-GpuLease-leaseState' }, parts.join(' · ')),
-                h(
-                  'div',
-                  { class: 'jp-GpuLease-actions' },
-                  mine || !admin
-                    ? [
-                        h('button', { class: 'jp-Button jp-mod-styled jp-mod-reject jp-GpuLease-release', 'aria-label': `Release lease ${l.id}`, 'data-focus-key': `release:${l.id}`, onclick: () => this.act(() => this.model.release(l.id)) }, 'Release'),
-                        this.model.holding(l)
-                          ? h('button', { class: 'jp-Button jp-mod-styled jp-GpuLease-extend', 'aria-label': `Extend lease ${l.id}`, 'data-focus-key': `extend:${l.id}`, onclick: () => this.act(() => this.model.extend(l.id)) }, 'Extend')
-                          : null
-                      ]
-                    : null,
-                  admin
-                    ? h('button', { class: 'jp-Button jp-mod-styled jp-mod-warn jp-GpuLease-revoke', 'aria-label': `Revoke lease ${l.id} of ${l.user}`, 'data-focus-key': `revoke:${l.id}`, onclick: () => void this.revoke(l) }, 'Revoke…')
-                    : null
-                )
-              );
-            })
-          )
+        : h('ul', { class: 'jp-GpuLease-leases' }, leases.map(l => this.leaseItem(l, admin)))
+    );
+  }
+
+  private leaseItem(l: ILease, admin: boolean): HTMLElement {
+    const m = this.model;
+    const now = m.now();
+    const gpus = l.devices.map(d => d.index).join(', ');
+    const parts: (Node | string)[][] = [[l.state]];
+    if (l.expires_at && m.holding(l)) {
+      parts.push([counter('until', l.expires_at, now), ' left']);
+    }
+    if (l.idle_deadline) {
+      parts.push(['idle in ', counter('until', l.idle_deadline, now)]);
+    }
+    if (l.state === 'queued' && l.position) {
+      parts.push([`position ${l.position}`]);
+    }
+    const button = (cls: string, label: string, key: string, text: string, fn: () => Promise<void>) =>
+      h('button', { class: `jp-Button jp-mod-styled ${cls}`, 'aria-label': label, 'data-focus-key': `${key}:${l.id}`, onclick: () => void fn() }, text);
+    const own = m.isMine(l) || !admin;
+    return h(
+      'li',
+      { class: 'jp-GpuLease-lease', 'data-lease-id': l.id, 'data-state': l.state },
+      h('div', { class: 'jp-GpuLease-leaseTitle' }, `${admin ? `${l.user}: ` : ''}${l.id}`, gpus ? ` (GPU ${gpus})` : ''),
+      h('div', { class: 'jp-GpuLease-leaseState' }, parts.flatMap((p, i) => (i ? [' · ', ...p] : p))),
+      h(
+        'div',
+        { class: 'jp-GpuLease-actions' },
+        own && l.state === 'queued'
+          ? button('jp-mod-reject jp-GpuLease-cancel', `Cancel request ${l.id}`, 'cancel', 'Cancel', () => cancelRequest(m, l))
+          : null,
+        own && m.holding(l)
+          ? [
+              button('jp-mod-reject jp-GpuLease-release', `Release lease ${l.id}`, 'release', 'Release', () => releaseLease(m, l)),
+              button('jp-GpuLease-extend', `Extend lease ${l.id}`, 'extend', 'Extend…', () => extendLease(m, l))
+            ]
+          : null,
+        admin
+          ? button('jp-mod-warn jp-GpuLease-revoke', `Revoke lease ${l.id} of ${l.user}`, 'revoke', 'Revoke…', () => revokeLease(m, l))
+          : null
+      )
     );
   }
 
@@ -236,32 +200,6 @@ export class GpuLeasePanel extends Widget {
             )
           )
     );
-  }
-
-  private async act(fn: () => Promise<void>): Promise<void> {
-    try {
-      await fn();
-    } catch (error: any) {
-      Notification.error(`GPU lease: ${error?.message ?? error}`, { autoClose: 8000 });
-    }
-  }
-
-  private async revoke(l: ILease): Promise<void> {
-    const result = await InputDialog.getText({
-      title: `Revoke lease ${l.id} of ${l.user}`,
-      label: 'Reason (shown to the user)',
-      placeholder: 'e.g. idle for hours, needed for the training run',
-      okLabel: 'Revoke'
-    });
-    if (!result.button.accept) {
-      return;
-    }
-    const reason = (result.value ?? '').trim();
-    if (!reason) {
-      await showErrorMessage('Reason required', 'Give a reason: the user sees it.', [Dialog.okButton()]);
-      return;
-    }
-    await this.act(() => this.model.revoke(l.id, reason));
   }
 
   private _ticker = 0;

@@ -52,7 +52,7 @@ class LeaseActionHandler(BaseHandler):
         if action == "release":
             lease = m.release(lease_id, self.who, str(body.get("reason", "released")))
         elif action == "renew":
-            lease = m.renew(lease_id, self.who, body.get("duration_seconds"))
+            lease = m.renew(lease_id, self.who, body.get("duration_seconds"), body.get("extend_seconds"))
         elif action == "heartbeat":
             active = body.get("active", False)
             if not isinstance(active, bool):

@@ -273,3 +273,12 @@ def describe_request(req: LeaseRequest) -> str:
     if req.shared:
         return f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
     return str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"
+
+
+def renewal_seconds(lease: Lease, duration: Any, extend: Any, now: float) -> float:
+    """The seconds from ``now`` a renewal asks for: ``duration`` (default: the lease's own), or ``extend`` past the
+    current end (a queued lease: past its time limit), so "+15 min" means the same however late it arrives."""
+    if extend is not None:
+        base = lease.expires_at - now if lease.expires_at is not None else lease.duration_seconds
+        return max(0.0, base) + parse_duration(extend, "extend_seconds")
+    return parse_duration(duration, "duration_seconds") if duration is not None else lease.duration_seconds

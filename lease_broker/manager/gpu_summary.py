@@ -1,4 +1,5 @@
-"""The ``gpus`` event: the GPU summary (counts by state), published at most every ``GPU_EVENT_INTERVAL``."""
+"""The GPU events: ``gpus`` (the summary: counts by state), published at most every ``GPU_EVENT_INTERVAL``;
+``gpu_samples`` (what each GPU does now), published at each inventory sample for the sidebar's live charts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..core.gpu import GpuSample
 from .events import EventBus
 
 #: The GPU summary is published at most this often: at once after a quiet spell, then on the trailing edge.
@@ -37,3 +39,12 @@ class GpuSummary:
     def _flush(self) -> None:
         self._dirty, self._sent = False, time.monotonic()
         self.when_stored(lambda: self.events.publish("gpus", summary=self.summary()))
+
+    def sampled(self, samples: dict[str, GpuSample], known: dict[str, Any]) -> None:
+        """Publish a new inventory sample: per GPU its utilisation (percent) and memory used (bytes).
+
+        Everyone sees these figures in the GPU view already; no processes, pids or users are in it."""
+        gpus = [{"id": gpu_id, "utilization": s.utilization, "memory_used": s.memory_used}
+                for gpu_id, s in samples.items() if gpu_id in known]
+        if gpus:
+            self.events.publish("gpu_samples", user=None, gpus=gpus)

@@ -25,9 +25,9 @@ from ..core.lease import (
     LeaseState,
     check_transition,
     describe_request,
-    parse_duration,
     parse_request,
     reason_slug,
+    renewal_seconds,
 )
 from ..core.scheduler import Pending, schedule
 from ..inventory import Inventory
@@ -101,6 +101,7 @@ class LeaseManager:
     @samples.setter
     def samples(self, samples: dict[str, GpuSample]) -> None:
         self.state.samples = samples
+        self.gpu_summary.sampled(samples, self.state.gpu_by_id)
 
     def view(self, lease: Lease, who: Identity | None = None) -> dict[str, Any]:
         """The one lease view every answer and event uses (``who`` None: the owner's, as events carry)."""
@@ -163,12 +164,12 @@ class LeaseManager:
         self.end(lease, target, "admin:" + reason_slug(reason, "revoked"))
         return lease
 
-    def renew(self, lease_id: str, who: Identity, duration: Any) -> Lease:
+    def renew(self, lease_id: str, who: Identity, duration: Any, extend: Any = None) -> Lease:
         lease = self.access.own_live(lease_id, who)
-        seconds = parse_duration(duration, "duration_seconds") if duration is not None else lease.duration_seconds
+        now = self.clock.now()
+        seconds = renewal_seconds(lease, duration, extend, now)  # from now; ``extend``: past the current end
         if seconds <= 0:
             raise BadRequest(f"Invalid duration_seconds {duration!r}: must be > 0")
-        now = self.clock.now()
         if lease.state == LeaseState.QUEUED:
             seconds = min(seconds, float(self.policy.limit(lease.user, "max_duration_seconds")))
             self.policy.check_day_quota(lease.user, lease.gpu_count, seconds)

@@ -33,6 +33,7 @@ def lease_view(
     position: int | None = None,
     estimate: float | None = None,
     idle_deadline: float | None = None,
+    max_expires_at: float | None = None,
     placement: dict[str, Any] | None = None,
     mps: bool = False,
 ) -> dict[str, Any]:
@@ -64,6 +65,7 @@ def lease_view(
         "idle_timeout_seconds": lease.idle_timeout_seconds,
         "last_activity": lease.last_activity,
         "idle_deadline": idle_deadline,
+        "max_expires_at": max_expires_at,
         "pids": list(lease.pids),
         "simulated": simulated,
         "position": position,
@@ -119,12 +121,15 @@ class Views:
 
     def lease(self, lease: Lease, viewer: Identity | None, now: float) -> dict[str, Any]:
         state = self.state
-        position = estimate = idle_deadline = None
+        position = estimate = idle_deadline = max_expires_at = None
         if lease.state == LeaseState.QUEUED:
             position = state.queue.position(lease.id)
             estimate = state.planned.get(lease.id)
-        elif lease.state in HOLDING and lease.idle_timeout_seconds:
-            idle_deadline = lease.last_activity + self.enforcer.idle_timeout(lease)[0]
+        elif lease.state in HOLDING:
+            if lease.idle_timeout_seconds:
+                idle_deadline = lease.last_activity + self.enforcer.idle_timeout(lease)[0]
+            if lease.granted_at is not None:  # renewals stop here (Quotas.check_renewal): the sidebar's Extend choices
+                max_expires_at = lease.granted_at + float(self.policy.limit(lease.user, "max_duration_seconds"))
         devices = [state.gpu_by_id[d] for d in lease.devices if d in state.gpu_by_id]
         out = lease_view(
             lease,
@@ -134,6 +139,7 @@ class Views:
             position=position,
             estimate=estimate,
             idle_deadline=idle_deadline,
+            max_expires_at=max_expires_at,
             placement=self.inventory.placement(lease),
             mps=lease.request.shared and self.mps_enabled(),
         )

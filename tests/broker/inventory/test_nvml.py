@@ -251,3 +251,29 @@ def test_a_lost_gpu_is_marked_unhealthy_and_not_granted(broker_factory, state: F
     assert "lost" in broker.log()
     leases = [c.request_lease(1, heartbeat=False) for _ in range(4)]
     assert state.gpus[0].uuid not in {x["devices"][0]["id"] for x in leases if x["devices"]}
+
+
+def test_each_sample_streams_every_gpus_utilisation_and_memory(broker_factory, state: FakeNvml) -> None:
+    """The sidebar's live charts: a ``gpu_samples`` event at each sample, with what the GPU view shows everyone
+    (utilisation, memory used) and nothing about processes."""
+    broker = broker_factory(args=[*NVML_ARGS, "--inventory=nvml"], env=state.env())
+    events = EventLog(broker.socket)
+    try:
+        state.gpus[1].util, state.gpus[1].memory_used = (70, 30), 9 << 30
+        state.write()
+
+        def busy() -> dict | None:
+            for e in events.of("gpu_samples"):
+                if {x["id"]: x for x in e["gpus"]}[state.gpus[1].uuid]["utilization"] == 70:
+                    return e
+            return None
+
+        sample = wait_for(busy, timeout=10, what="a sample with GPU 1 at 70 %")
+        assert [g["id"] for g in sample["gpus"]] == [g.uuid for g in state.gpus]
+        assert all(set(g) == {"id", "utilization", "memory_used"} for g in sample["gpus"])  # no pids, no users
+        assert sample["user"] is None  # visible to every user, as the GPU view is
+        assert sample["gpus"][1]["memory_used"] == 9 << 30 and sample["gpus"][0]["utilization"] == 0
+        view = broker.client().gpus()["gpus"][1]
+        assert (view["utilization"], view["memory_used"]) == (70, 9 << 30)
+    finally:
+        events.close()

@@ -111,6 +111,17 @@ def test_renew_beyond_maximum_refused(broker_factory):
     with pytest.raises(BrokerError) as e:
         c.renew(lease["id"], "2h")
     assert e.value.status == 403 and e.value.reason == "max_duration"
+    # the view says how far a renewal may go (the sidebar's Extend choices), and a renewal reaches exactly that
+    limit = lease["granted_at"] + 600
+    assert lease["max_expires_at"] == limit and e.value.body["max_expires_at"] == limit
+    assert c.renew(lease["id"], limit - c.info()["time"] - 1)["expires_at"] <= limit
+    # extend_seconds moves the current end, so the sidebar's "+15 min" can reach the limit exactly
+    end = c.lease(lease["id"])["expires_at"]
+    extended = c.request("POST", f"/api/v1/leases/{lease['id']}/renew", {"extend_seconds": limit - end})
+    assert extended["expires_at"] == pytest.approx(limit)
+    with pytest.raises(BrokerError) as e:
+        c.request("POST", f"/api/v1/leases/{lease['id']}/renew", {"extend_seconds": "1m"})
+    assert e.value.reason == "max_duration"
 
 
 def test_revoke_stops_attached_processes_and_drains(broker):
