@@ -85,7 +85,7 @@ class SimulatedInventory(Inventory):
                 group = i // group_size if group_size else 0
                 out.append(_gpu({"id": "GPU-" + gpu_uuid(f"{node}/{i}"), "index": i, "node": node, "name": name,
                                  "memory_total": mem, "link_group": f"{node}/nvl{group}", "simulated": True,
-                                 "mig": False}))
+                                 "mig": False, "parent": ""}))
         return out
 
     def sample(self) -> dict[str, GpuSample]:
