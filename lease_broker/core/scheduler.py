@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .gpufit import Aliases, constrained, fits
 from .lease import LeaseRequest
 from .reservation_windows import Window, WindowMap
 from .slots import Slot, SlotIndex
@@ -58,6 +59,7 @@ class SchedulerPolicy:
     backfill_depth: int = 8
     groups_of: Callable[[str], Sequence[str]] = lambda user: ()
     group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
+    gpu_types: Aliases = ()  # admin-configured GPU type names (gpufit.aliases_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +119,7 @@ def schedule(
     # (GPU count, locality) -> the earliest end that found no GPUs: a later request of the same shape that would
     # end no sooner cannot fit either (GPUs only get taken and reserved within a pass). Not with advance
     # reservations, whose GPUs depend on who asks.
-    no_fit: dict[tuple[int, str], float] = {}
+    no_fit: dict[tuple[int, str, str, int], float] = {}
     for p in (pending if ordered else queue_order(pending, policy, usage)):
         decision.order.append(p.lease_id)
         req = p.request
@@ -126,12 +128,12 @@ def schedule(
         end = now + p.duration
         if req.shared:
             grant = state.place_shared(p, end)
-        elif end >= no_fit.get((req.min_gpus, req.locality), INF):
+        elif end >= no_fit.get((req.min_gpus, req.locality, req.gpu_type, req.gpu_mem), INF):
             grant = None
         else:
             grant = state.place_exclusive(p, end)
             if grant is None and not state.windows.of and state.within_cap(p, req.min_gpus):
-                shape = (req.min_gpus, req.locality)
+                shape = (req.min_gpus, req.locality, req.gpu_type, req.gpu_mem)
                 no_fit[shape] = min(no_fit.get(shape, INF), end)
         if grant is not None:
             decision.grants.append(grant)
@@ -224,6 +226,13 @@ class _State:
             if "@" + g in self.budget:
                 self.budget["@" + g] -= count * p.duration
 
+    def fit_for(self, req: LeaseRequest) -> Callable[[Slot], bool] | None:
+        """Which devices ``req`` may get (gpufit.fits), or None when any will do."""
+        if not constrained(req) and not (self.ix.has_mig and req.max_gpus > 1 and not req.shared):
+            return None
+        aliases = self.policy.gpu_types
+        return lambda s: fits(s, req, aliases)
+
     # --- exclusive -------------------------------------------------------------------------
     def _usable(self, s: Slot, end: float, user: str = "") -> bool:
         return s.idle and self.reserved_from.get(s.id, INF) >= end and self.windows.ok(s, end, user)
@@ -236,7 +245,13 @@ class _State:
         want_max = int(min(req.max_gpus, room + 1e-9))
         need = max(1, req.min_gpus) if req.locality == "node" else 1
         free_of: Callable[[str], list[Slot]]
-        if not self.reserved_from and not self.windows.of:  # nothing planned or reserved: usable = idle
+        fit = self.fit_for(req)
+        if fit is not None:  # a type, a memory size or no MIG devices: only the devices that fit
+            free_by_node = {n: [s for s in self.nodes[n] if fit(s) and self._usable(s, end, p.user)]
+                            for n, k in self.ix.idle.items() if k >= need}
+            counts = {n: len(free) for n, free in free_by_node.items()}
+            free_of = free_by_node.__getitem__
+        elif not self.reserved_from and not self.windows.of:  # nothing planned or reserved: usable = idle
             counts = {n: k for n, k in self.ix.idle.items() if k >= need}  # exact: only nodes with room
             free_of = self._idle_of
         else:
@@ -281,7 +296,9 @@ class _State:
         if want <= 0:
             return None
         nodes = {self.by_id[d].node for d in g.devices if d in self.by_id}
-        free = [s for s in self.slots if self._usable(s, g.end, p.user) and (req.locality == "any" or s.node in nodes)]
+        fit = self.fit_for(req) or (lambda s: True)
+        free = [s for s in self.slots if self._usable(s, g.end, p.user) and (req.locality == "any" or s.node in nodes)
+                and fit(s)]
         if not free:
             return None
         groups = {self.by_id[d].link_group for d in g.devices if d in self.by_id}
@@ -306,6 +323,9 @@ class _State:
         groups: list[list[Slot]] = list(self.nodes.values())
         if p.request.locality == "any":
             groups = [self.slots]
+        fit = self.fit_for(p.request)
+        if fit is not None:
+            groups = [[s for s in members if fit(s)] for members in groups]
         for members in groups:
             if len(members) < k:
                 continue
@@ -328,8 +348,9 @@ class _State:
         pol = self.policy
         best: Slot | None = None
         best_key: tuple[Any, ...] | None = None
+        fit = self.fit_for(req)
         for s in self.slots:
-            if not s.available or s.exclusive:
+            if not s.available or s.exclusive or (fit is not None and not fit(s)):
                 continue
             if self.reserved_from.get(s.id, INF) < end:  # planned for a waiting request: only if it ends first
                 continue

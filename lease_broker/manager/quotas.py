@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from ..core.errors import BadRequest, Forbidden
+from ..core.gpufit import constrained, unplaceable
 from ..core.lease import HOLDING, Lease, LeaseRequest
 from ..core.reservation_windows import window_shortfall
 from ..policy.lease_policy import LeasePolicy
@@ -46,7 +47,13 @@ class Quotas:
         return budget
 
     def check_placeable(self, req: LeaseRequest) -> None:
-        """Refuse a gang that no node can ever hold, or more memory than any GPU has (it would wait forever)."""
+        """Refuse a gang that no node can ever hold, more memory than any GPU has, or a GPU type or size that no
+        device has (it would wait forever), naming what exists."""
+        table = self.state.table
+        if constrained(req) or (req.max_gpus > 1 and not req.shared and any(k.mig for k in table.kinds)):
+            why = unplaceable(req, table.kinds, self.policy.gpu_type_aliases())
+            if why is not None:
+                raise BadRequest(why, reason="no_such_gpu" if constrained(req) else "too_large")
         largest = self.state.table.largest_memory
         if req.mem_bytes and largest and req.mem_bytes > largest:
             raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Dict, Enum, Float, Integer, TraitError, Unicode, validate
+from traitlets import Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..core.errors import BadRequest, Forbidden
+from ..core.gpufit import Aliases, aliases_of
 from ..core.lease import LeaseRequest
 from ..core.scheduler import SchedulerPolicy
 from .limits import LimitsPolicy
@@ -105,6 +106,15 @@ class LeasePolicy(LimitsPolicy, Configurable):
         4, config=True, help="How many shared (fractional) leases one GPU may hold at once. Example: 4."
     )
     default_priority = Unicode("normal", config=True, help="Priority class of a request that names none.")
+    gpu_types = Dict(
+        value_trait=List(Unicode()),
+        config=True,
+        help="GPU type names users may ask for (--gpu-type) beyond the devices' own names, each with the NVML "
+        "device names (or shell patterns) it covers, matched case-insensitively, e.g. {'A100-40GB': "
+        "['NVIDIA A100-SXM4-40GB', 'NVIDIA A100-PCIE-40GB'], 'big': ['*H100*', '*A100*80GB*']}. A device also "
+        "answers to its own name, to that name without 'NVIDIA ', and to its first word ('H100'); a MIG device to "
+        "its profile ('1g.10gb') and to 'MIG'. {} = only those.",
+    )
     drain_timeout = Float(
         60.0,
         config=True,
@@ -158,7 +168,11 @@ class LeasePolicy(LimitsPolicy, Configurable):
             backfill_depth=self.backfill_depth,
             groups_of=self.groups_of,
             group_cap=self.group_cap,
+            gpu_types=self.gpu_type_aliases(),
         )
+
+    def gpu_type_aliases(self) -> Aliases:
+        return aliases_of(self.gpu_types)
 
     def apply(self, user: str, req: LeaseRequest, total_gpus: int) -> tuple[LeaseRequest, float, float]:
         """Check a request against policy; returns (request, duration, idle timeout) with caps applied."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import FakeNvml, FakeProc
-from nvml_helpers import EventLog, Worker, use_fake_library, use_library, wait_for
+from nvml_helpers import EventLog, Worker, wait_for
 
 from lease_broker.inventory.nvml import NVMLInventory
 
@@ -20,12 +20,8 @@ NVML_ARGS = ["--tick=0.1", "--LeaseBroker.sample_seconds=0.2",
 
 
 @pytest.fixture
-def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNvml]:
-    use_fake_library()
-    state = FakeNvml.standard(tmp_path / "nvml.state", 4)
-    monkeypatch.setenv("FAKE_NVML_STATE", str(state.path))
-    yield state
-    use_library(None)
+def fake(fake_driver) -> FakeNvml:  # type: ignore[no-untyped-def]
+    return fake_driver(4)
 
 
 @pytest.fixture

@@ -1,0 +1,130 @@
+"""Whether a device satisfies a request: its GPU type (model or MIG profile), its memory, and MIG's one-device rule.
+
+One rule, used by the scheduler for every placement (``fits``) and by the broker to refuse at once a request that
+no device can ever satisfy (``unplaceable``, over the inventory's kinds of devices, naming what exists).
+
+A request's ``gpu_type`` names devices the way admins configure them (``LeasePolicy.gpu_types``: a type name and
+the NVML device names or patterns it covers, e.g. ``{'A100-40GB': ['NVIDIA A100-SXM4-40GB', 'NVIDIA A100-PCIE-40GB']}``)
+or by the device's own name, case-insensitively: the whole name (``NVIDIA H100 80GB HBM3``), the name without the
+vendor (``H100 80GB HBM3``) or its leading word (``H100``: the name up to a space, ``-`` or ``_``). A MIG device
+answers to its profile (``1g.10gb``), to ``MIG`` and to its whole name (``NVIDIA A100-SXM4-40GB MIG 1g.10gb``), not
+to its GPU's model alone: ``--gpu-type A100`` asks for a whole A100. CUDA shows a process one MIG device, so a
+request for more than one GPU never gets MIG devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from fnmatch import fnmatchcase
+from typing import NamedTuple, Protocol
+
+from .gpu import GPU
+from .lease import LeaseRequest
+
+#: Admin-configured GPU types, as the scheduler keeps them: ((type name, (NVML names or patterns, ...)), ...).
+Aliases = tuple[tuple[str, tuple[str, ...]], ...]
+
+_VENDORS = ("nvidia ", "tesla ")
+
+
+class Device(Protocol):
+    """What the rule reads of a device (a scheduler ``Slot`` or an inventory ``GPU``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def memory_total(self) -> int: ...
+    @property
+    def mig(self) -> bool: ...
+
+
+def aliases_of(gpu_types: Mapping[str, Sequence[str]]) -> Aliases:
+    """The policy's ``gpu_types`` in the hashable form the rule memoises on."""
+    return tuple((name, tuple(patterns)) for name, patterns in sorted(gpu_types.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def matches_type(name: str, mig: bool, wanted: str, aliases: Aliases = ()) -> bool:
+    """Whether a device called ``name`` (a MIG device: ``mig``) is of the type ``wanted``."""
+    w = wanted.strip().lower()
+    low = name.lower()
+    for type_name, patterns in aliases:
+        if type_name.lower() == w and any(fnmatchcase(low, p.lower()) for p in patterns):
+            return True
+    bare = next((low[len(v):] for v in _VENDORS if low.startswith(v)), low)
+    if w in (low, bare):
+        return True
+    if mig:
+        return w == "mig" or w == bare.rpartition(" mig ")[2]
+    return bare.startswith(w) and len(bare) > len(w) and bare[len(w)] in " -_"
+
+
+def fits(device: Device, req: LeaseRequest, aliases: Aliases = ()) -> bool:
+    """Whether one device can serve ``req``: of its type, with at least its ``gpu_mem``, and not a MIG device for
+    a request of several GPUs."""
+    if req.gpu_mem and device.memory_total < req.gpu_mem:
+        return False
+    if device.mig and req.max_gpus > 1 and not req.shared:
+        return False
+    return not req.gpu_type or matches_type(device.name, device.mig, req.gpu_type, aliases)
+
+
+def constrained(req: LeaseRequest) -> bool:
+    """Whether ``req`` narrows the devices it may get (otherwise every device but MIG ones for several GPUs)."""
+    return bool(req.gpu_type or req.gpu_mem)
+
+
+class Kind(NamedTuple):
+    """Devices alike for every request: one model (or MIG profile) with one memory size."""
+
+    name: str
+    memory_total: int
+    mig: bool
+
+
+def device_kinds(gpus: Iterable[GPU]) -> dict[Kind, dict[str, int]]:
+    """How many devices of each kind each node has."""
+    out: dict[Kind, dict[str, int]] = {}
+    for g in gpus:
+        per_node = out.setdefault(Kind(g.name, g.memory_total, g.mig), {})
+        per_node[g.node] = per_node.get(g.node, 0) + 1
+    return out
+
+
+def unplaceable(req: LeaseRequest, kinds: Mapping[Kind, Mapping[str, int]], aliases: Aliases = ()) -> str | None:
+    """Why no device (or no node, for a gang on one node) can ever serve ``req``, naming what exists; None when
+    some can. Only the kinds of devices are read: cheap at every request."""
+    matching = [k for k in kinds if fits(k, req, aliases)]
+    per_node: dict[str, int] = {}
+    for k in matching:
+        for node, n in kinds[k].items():
+            per_node[node] = per_node.get(node, 0) + n
+    need = 1 if req.shared else req.min_gpus
+    have = max(per_node.values(), default=0) if req.locality == "node" else sum(per_node.values())
+    if have >= need:
+        return None
+    count = f"{req.min_gpus}-{req.max_gpus} GPUs" if req.max_gpus > req.min_gpus and not req.shared else (
+        f"{need} GPUs" if need > 1 else "a GPU")
+    asked = " ".join(part for part in (count,
+                                       f"of type {req.gpu_type!r}" if req.gpu_type else "",
+                                       f"with at least {_size(req.gpu_mem)}" if req.gpu_mem else "") if part)
+    one = [k for k in kinds if fits(k, LeaseRequest(gpu_type=req.gpu_type, gpu_mem=req.gpu_mem), aliases)]
+    if (need > 1 or (req.max_gpus > 1 and not req.shared)) and one and all(k.mig for k in one):
+        return (f"Request for {asked} can never be granted: only MIG devices match, and CUDA shows a process only "
+                "one MIG device; ask for 1")
+    if matching:
+        where = "on one node" if req.locality == "node" else "in all"
+        return f"Request for {asked} can never be granted: at most {have} match {where} ({describe_kinds(kinds)})"
+    return f"Request for {asked} can never be granted: this broker has {describe_kinds(kinds)}"
+
+
+def describe_kinds(kinds: Mapping[Kind, Mapping[str, int]]) -> str:
+    """'8x NVIDIA H100 80GB HBM3 (80G), 3x NVIDIA A100-SXM4-40GB MIG 1g.10gb (10G, MIG)' for messages."""
+    parts = [f"{sum(nodes.values())}x {k.name} ({_size(k.memory_total)}{', MIG' if k.mig else ''})"
+             for k, nodes in sorted(kinds.items(), key=lambda kv: (kv[0].mig, -kv[0].memory_total, kv[0].name))]
+    return ", ".join(parts) or "no GPUs"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.4g}G"
