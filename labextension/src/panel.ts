@@ -5,6 +5,7 @@ import { Widget } from '@lumino/widgets';
 import { IArtifact, IGpu, ILease } from './api';
 import { formatBytes, formatDuration, h, sparkline } from './format';
 import { GpuLeaseModel } from './model';
+import { gpuKind, wants } from './gputype';
 
 export const PANEL_ID = 'gpulease-panel';
 
@@ -134,6 +135,7 @@ export class GpuLeasePanel extends Widget {
         h('span', { class: 'jp-GpuLease-gpuName' }, `${g.index}: ${g.name}`),
         g.simulated ? h('span', { class: 'jp-GpuLease-badge jp-GpuLease-simulated' }, 'simulated') : null
       ),
+      h('div', { class: 'jp-GpuLease-kind', 'data-mig': g.mig ? 'true' : 'false' }, gpuKind(g)),
       h('div', { class: 'jp-GpuLease-state' }, st.text),
       h('div', { class: 'jp-GpuLease-mem' }, `${formatBytes(g.memory_used)} / ${formatBytes(g.memory_total)}`, h('span', { class: 'jp-GpuLease-util' }, ` · ${util.toFixed(0)}%`)),
       sparkline(this.model.samples.get(g.id) ?? [g.utilization], `Utilisation of GPU ${g.index}, recent samples`)
@@ -155,7 +157,7 @@ export class GpuLeasePanel extends Widget {
               h(
                 'li',
                 { class: e.mine ? 'jp-GpuLease-queueItem jp-mod-mine' : 'jp-GpuLease-queueItem', 'data-lease-id': e.lease_id ?? '' },
-                `#${e.position} ${e.mine ? 'you' : e.user}: ${e.fraction < 1 ? `${e.fraction} GPU` : e.min_gpus === e.max_gpus ? `${e.min_gpus} GPU` : `${e.min_gpus}-${e.max_gpus} GPUs`}, waited ${formatDuration(e.waited_seconds)}` +
+                `#${e.position} ${e.mine ? 'you' : e.user}: ${e.fraction < 1 ? `${e.fraction} GPU` : e.min_gpus === e.max_gpus ? `${e.min_gpus} GPU` : `${e.min_gpus}-${e.max_gpus} GPUs`}${wants(e)}, waited ${formatDuration(e.waited_seconds)}` +
                   (e.estimated_start ? `, starts in ~${formatDuration(e.estimated_start - this.model.now())}` : '')
               )
             )
