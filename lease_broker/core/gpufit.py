@@ -15,9 +15,9 @@ request for more than one GPU never gets MIG devices.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from .gpu import GPU
 from .lease import LeaseRequest
@@ -68,6 +68,65 @@ def fits(device: Device, req: LeaseRequest, aliases: Aliases = ()) -> bool:
     if device.mig and req.max_gpus > 1 and not req.shared:
         return False
     return not req.gpu_type or matches_type(device.name, device.mig, req.gpu_type, aliases)
+
+
+def fit_rule(req: LeaseRequest, aliases: Aliases, blocked: Sequence[str] = ()) -> Callable[[Device], bool]:
+    """``fits`` for one request, also refusing devices of the types in ``blocked`` (the user's caps for them)."""
+    if not blocked:
+        return lambda d: fits(d, req, aliases)
+    return lambda d: fits(d, req, aliases) and not any(matches_type(d.name, d.mig, t, aliases) for t in blocked)
+
+
+class Held(Protocol):
+    """A device with the users holding it (a scheduler ``Slot``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def mig(self) -> bool: ...
+    @property
+    def held_by(self) -> tuple[tuple[str, float], ...]: ...
+
+
+_H = TypeVar("_H", bound=Held)
+
+
+class TypeRoom:
+    """Per-type caps (``max_gpus`` per GPU type) during one scheduling pass: which capped types a user may not
+    take ``need`` more of, counting what they held before the pass and what the pass gave them."""
+
+    def __init__(self, caps: Callable[[str], Mapping[str, float]], aliases: Aliases) -> None:
+        self.caps, self.aliases = caps, aliases
+        self.held: dict[tuple[str, str], float] = {}
+
+    def blocked(self, user: str, need: float, devices: Callable[[], Iterable[Held]]) -> list[str]:
+        caps = self.caps(user)
+        for t in caps:
+            if (user, t) not in self.held:  # before the pass: a scan, once per capped user and type
+                self.held[(user, t)] = sum(f for d in devices() if matches_type(d.name, d.mig, t, self.aliases)
+                                           for u, f in d.held_by if u == user)
+        return [t for t, cap in caps.items() if self.held[(user, t)] + need > cap + 1e-9]
+
+    def trim(self, user: str, chosen: list[_H], minimum: int) -> list[_H]:
+        """``chosen`` without the devices past the user's caps (call ``blocked`` first); [] if fewer than
+        ``minimum`` are left."""
+        caps = self.caps(user)
+        if not caps:
+            return chosen
+        used = {t: self.held[(user, t)] for t in caps}
+        keep = []
+        for d in chosen:
+            types = [t for t in caps if matches_type(d.name, d.mig, t, self.aliases)]
+            if all(used[t] + 1 <= caps[t] + 1e-9 for t in types):
+                for t in types:
+                    used[t] += 1
+                keep.append(d)
+        return keep if len(keep) >= max(minimum, 1) else []
+
+    def charge(self, user: str, taken: Iterable[Held], each: float = 1.0) -> None:
+        for t in self.caps(user):
+            n = sum(each for d in taken if matches_type(d.name, d.mig, t, self.aliases))
+            self.held[(user, t)] = self.held.get((user, t), 0.0) + n
 
 
 def constrained(req: LeaseRequest) -> bool:

@@ -196,6 +196,7 @@ class GpuTable:
         shared = False
         for lease in holders.values():
             req = lease.request
+            s.held_by += ((lease.user, req.fraction if req.shared else 1.0),)
             if req.shared:
                 shared = True
                 s.shares += req.fraction
@@ -204,6 +205,7 @@ class GpuTable:
             else:
                 s.exclusive = True
             s.free_at = max(s.free_at, lease.expires_at or 0.0)
+        s.held_by = tuple(sorted(s.held_by))  # the same whatever order the leases came in
         now = self.busy[gid] = "shared" if shared else "leased"
         self.n_busy[now] += 1
         return s

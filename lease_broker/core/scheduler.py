@@ -21,10 +21,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .gpufit import Aliases, constrained, fits
+from .gpufit import Aliases, TypeRoom, constrained, fit_rule
 from .lease import LeaseRequest
 from .reservation_windows import Window, WindowMap
-from .slots import Slot, SlotIndex
+from .slots import Slot, SlotIndex, pick_connected
 
 __all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "schedule",
            "queue_order", "pick_connected"]
@@ -60,6 +60,7 @@ class SchedulerPolicy:
     groups_of: Callable[[str], Sequence[str]] = lambda user: ()
     group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
     gpu_types: Aliases = ()  # admin-configured GPU type names (gpufit.aliases_of)
+    type_caps: Callable[[str], Mapping[str, float]] = lambda user: {}  # GPUs of a type a user may hold at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,7 @@ class _State:
         self.budget: dict[str, float] = {}
         self.windows = WindowMap([], now)  # advance reservations: which GPUs each one holds (set when there are)
         self._groups: dict[str, Sequence[str]] = {}
+        self.types = TypeRoom(policy.type_caps, policy.gpu_types)
         self.gheld: dict[str, float] = {}
         for user, n in held.items():
             for g in self.groups(user):
@@ -217,8 +219,9 @@ class _State:
                 room = min(room, left / max(p.duration, 1e-9))
         return room
 
-    def _charge(self, p: Pending, count: float) -> None:
+    def _charge(self, p: Pending, count: float, taken: Sequence[Slot] = ()) -> None:
         self.held[p.user] = self.held.get(p.user, 0.0) + count
+        self.types.charge(p.user, taken, count / max(len(taken), 1))
         if p.user in self.budget:
             self.budget[p.user] -= count * p.duration
         for g in self.groups(p.user):
@@ -226,12 +229,13 @@ class _State:
             if "@" + g in self.budget:
                 self.budget["@" + g] -= count * p.duration
 
-    def fit_for(self, req: LeaseRequest) -> Callable[[Slot], bool] | None:
-        """Which devices ``req`` may get (gpufit.fits), or None when any will do."""
-        if not constrained(req) and not (self.ix.has_mig and req.max_gpus > 1 and not req.shared):
+    def fit_for(self, p: Pending) -> Callable[[Slot], bool] | None:
+        """Which devices ``p`` may get (gpufit: its type, size, MIG, the user's per-type caps); None: any."""
+        req = p.request
+        blocked = self.types.blocked(p.user, req.fraction if req.shared else req.min_gpus, self.ix.by_id.values)
+        if not blocked and not constrained(req) and not (self.ix.has_mig and req.max_gpus > 1 and not req.shared):
             return None
-        aliases = self.policy.gpu_types
-        return lambda s: fits(s, req, aliases)
+        return fit_rule(req, self.policy.gpu_types, blocked)
 
     # --- exclusive -------------------------------------------------------------------------
     def _usable(self, s: Slot, end: float, user: str = "") -> bool:
@@ -245,8 +249,8 @@ class _State:
         want_max = int(min(req.max_gpus, room + 1e-9))
         need = max(1, req.min_gpus) if req.locality == "node" else 1
         free_of: Callable[[str], list[Slot]]
-        fit = self.fit_for(req)
-        if fit is not None:  # a type, a memory size or no MIG devices: only the devices that fit
+        fit = self.fit_for(p)
+        if fit is not None:  # a type, a memory size, no MIG devices or a per-type cap: only the devices that fit
             free_by_node = {n: [s for s in self.nodes[n] if fit(s) and self._usable(s, end, p.user)]
                             for n, k in self.ix.idle.items() if k >= need}
             counts = {n: len(free) for n, free in free_by_node.items()}
@@ -278,10 +282,11 @@ class _State:
                     if more <= 0:
                         break
                     chosen.extend(pick_connected(free_of(node), min(more, -k)))
+        chosen = self.types.trim(p.user, chosen or [], req.min_gpus)  # per-type caps
         if not chosen:
             return None
         chosen = [self.take(s, end) for s in chosen]
-        self._charge(p, len(chosen))
+        self._charge(p, len(chosen), chosen)
         nodes = sorted({s.node for s in chosen})
         return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
 
@@ -296,15 +301,17 @@ class _State:
         if want <= 0:
             return None
         nodes = {self.by_id[d].node for d in g.devices if d in self.by_id}
-        fit = self.fit_for(req) or (lambda s: True)
+        fit = self.fit_for(p) or (lambda s: True)
         free = [s for s in self.slots if self._usable(s, g.end, p.user) and (req.locality == "any" or s.node in nodes)
                 and fit(s)]
         if not free:
             return None
         groups = {self.by_id[d].link_group for d in g.devices if d in self.by_id}
         free.sort(key=lambda s: (s.node not in nodes, s.link_group not in groups, s.node, s.index))
-        chosen = [self.take(s, g.end) for s in free[:want]]
-        self._charge(p, len(chosen))
+        chosen = [self.take(s, g.end) for s in self.types.trim(p.user, free[:want], 1)]  # [] past per-type caps
+        if not chosen:
+            return None
+        self._charge(p, len(chosen), chosen)
         return Grant(p.lease_id, tuple(s.id for s in chosen), ",".join(sorted(nodes | {s.node for s in chosen})))
 
     def reserve(self, p: Pending) -> float:
@@ -323,7 +330,7 @@ class _State:
         groups: list[list[Slot]] = list(self.nodes.values())
         if p.request.locality == "any":
             groups = [self.slots]
-        fit = self.fit_for(p.request)
+        fit = self.fit_for(p)
         if fit is not None:
             groups = [[s for s in members if fit(s)] for members in groups]
         for members in groups:
@@ -348,7 +355,7 @@ class _State:
         pol = self.policy
         best: Slot | None = None
         best_key: tuple[Any, ...] | None = None
-        fit = self.fit_for(req)
+        fit = self.fit_for(p)
         for s in self.slots:
             if not s.available or s.exclusive or (fit is not None and not fit(s)):
                 continue
@@ -374,23 +381,5 @@ class _State:
         best.n_shared += 1
         best.mem_used += req.mem_bytes or int(req.fraction * best.memory_total)
         best.free_at = max(best.free_at, end)
-        self._charge(p, req.fraction)
+        self._charge(p, req.fraction, [best])
         return Grant(p.lease_id, (best.id,), best.node)
-
-
-def pick_connected(free: list[Slot], k: int) -> list[Slot]:
-    """k GPUs of one node, preferring one link group (NVLink island) that fits them best."""
-    if k <= 0:
-        return []
-    groups: dict[str, list[Slot]] = {}
-    for s in free:
-        groups.setdefault(s.link_group, []).append(s)
-    fitting = [g for g in groups.values() if len(g) >= k]
-    if fitting:
-        return min(fitting, key=lambda g: (len(g), g[0].index))[:k]
-    chosen: list[Slot] = []
-    for g in sorted(groups.values(), key=lambda g: (-len(g), g[0].index)):
-        chosen.extend(g[: k - len(chosen)])
-        if len(chosen) == k:
-            break
-    return chosen

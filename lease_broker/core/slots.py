@@ -29,6 +29,7 @@ class Slot:
     free_at: float = 0.0  # when it is expected to be free for an exclusive lease (INF = never)
     name: str = ""  # the device's model (or MIG profile) name, for requests of a GPU type
     mig: bool = False  # a MIG device: never one of several GPUs of a lease
+    held_by: tuple[tuple[str, float], ...] = ()  # (user, GPUs) of the leases on it, for per-type caps
 
     def clone(self) -> Slot:
         """A copy (dataclasses.replace is ~10x slower)."""
@@ -116,3 +117,21 @@ class SlotIndex:
             if m is old:
                 members[i] = new
                 break
+
+
+def pick_connected(free: list[Slot], k: int) -> list[Slot]:
+    """k GPUs of one node, preferring one link group (NVLink island) that fits them best."""
+    if k <= 0:
+        return []
+    groups: dict[str, list[Slot]] = {}
+    for s in free:
+        groups.setdefault(s.link_group, []).append(s)
+    fitting = [g for g in groups.values() if len(g) >= k]
+    if fitting:
+        return min(fitting, key=lambda g: (len(g), g[0].index))[:k]
+    chosen: list[Slot] = []
+    for g in sorted(groups.values(), key=lambda g: (-len(g), g[0].index)):
+        chosen.extend(g[: k - len(chosen)])
+        if len(chosen) == k:
+            break
+    return chosen

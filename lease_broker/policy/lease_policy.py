@@ -169,6 +169,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
             groups_of=self.groups_of,
             group_cap=self.group_cap,
             gpu_types=self.gpu_type_aliases(),
+            type_caps=self.type_caps,
         )
 
     def gpu_type_aliases(self) -> Aliases:
@@ -195,6 +196,10 @@ class LeasePolicy(LimitsPolicy, Configurable):
                 f"Request for {need:g} GPUs exceeds your limit of {cap:g} GPUs at once (max_gpus_per_user)",
                 reason="quota",
             )
+        for t, n in self.type_caps(user).items():
+            if req.gpu_type.lower() == t.lower() and need > n:
+                raise Forbidden(f"Request for {need:g} {t} GPUs exceeds your limit of {n:g} {t} GPUs at once "
+                                "(max_gpus)", reason="quota")
         duration = req.duration_seconds or self.limit(user, "default_duration_seconds")
         duration = min(duration, self.limit(user, "max_duration_seconds"))
         idle = req.idle_timeout_seconds or self.limit(user, "default_idle_timeout_seconds")

@@ -126,3 +126,36 @@ def test_an_incremental_lease_grows_only_into_its_type() -> None:
     g = Growing(req("grow", "1-8", locality="any", gpu_type="H100"), ("h0",), NOW + 600)
     got = run([], s, growing=[g])
     assert set(got["grow"]) == {"h1", "h2", "h3"}
+
+
+# ---------------------------------------------------------------------- caps per GPU type
+def test_a_per_type_cap_bounds_what_a_user_holds_of_that_type() -> None:
+    pol = SchedulerPolicy(gpu_types=ALIASES, type_caps=lambda user: {"H100": 1} if user == "student" else {})
+    s = mixed()
+    s[0].exclusive, s[0].held_by = True, (("student", 1.0),)  # the student holds h0 already
+    d = schedule([req("h", 1, seq=1, user="student", gpu_type="H100"), req("any", 1, seq=2, user="student"),
+                  req("other", 2, seq=3, user="staff", gpu_type="H100")], s, {}, pol, NOW)
+    got = {g.lease_id: g.gpu_ids for g in d.grants}
+    assert "h" not in got  # a second H100 would pass the cap: it waits
+    assert not got["any"][0].startswith("h")  # an untyped request of the student gets no H100 either
+    assert len(got["other"]) == 2 and all(x.startswith("h") for x in got["other"])  # others are not capped
+    s[0].exclusive, s[0].held_by = False, ()
+    d = schedule([req("h", 1, seq=1, user="student", gpu_type="H100"), req("h2", 1, seq=2, user="student",
+                                                                           gpu_type="H100")], s, {}, pol, NOW)
+    assert [g.lease_id for g in d.grants] == ["h"]  # one in a pass: what the pass gave counts too
+
+
+def test_per_type_caps_in_the_policy() -> None:
+    from lease_broker.core.errors import Forbidden
+    from lease_broker.policy.lease_policy import LeasePolicy
+
+    pol = LeasePolicy(unix_groups=False, max_gpus_per_user=6, group_members={"students": ["ann"], "tas": ["ann"]},
+                      group_limits={"students": {"max_gpus": {"H100": 1}}, "tas": {"max_gpus": {"H100": 2, "*": 3}}},
+                      user_limits={"bob": {"max_gpus": {"A100": 2}}})
+    assert pol.type_caps("ann") == {"H100": 2.0} and pol.user_cap("ann") == 3.0  # the most generous group
+    assert pol.type_caps("bob") == {"A100": 2.0} and pol.user_cap("bob") == 6.0  # no '*': the default
+    assert pol.type_caps("eve") == {} and pol.user_cap("eve") == 6.0
+    with pytest.raises(Forbidden, match=r"Request for 3 H100 GPUs exceeds your limit of 2 H100 GPUs"):
+        pol.apply("ann", LeaseRequest(min_gpus=3, max_gpus=3, gpu_type="h100"), 8)
+    with pytest.raises(Exception, match=r"\['max_gpus'\]\['H100'\]=-1"):
+        LeasePolicy(user_limits={"x": {"max_gpus": {"H100": -1}}})

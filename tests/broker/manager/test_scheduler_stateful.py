@@ -37,6 +37,7 @@ GRACE = 30.0
 CAP = 4.0
 GROUP_CAP = 4.0
 DAY_QUOTA_U2 = 3.0  # GPU-hours
+H100_CAP_U3 = 1  # H100s u3 may hold at once (a cap per GPU type)
 MAX_WINDOW = 3600.0
 SLACK = 1800.0 + 1
 EPS = 1e-6
@@ -50,7 +51,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             heartbeat_timeout=1e9, default_idle_timeout_seconds=0, unix_groups=False,
             max_duration_seconds=MAX_DURATION, default_duration_seconds=600, max_gpus_per_user=CAP,
             group_members={"ml": ["u0", "u1"]}, group_quotas={"ml": {"max_gpus": GROUP_CAP}},
-            user_limits={"u2": {"gpu_hours_per_day": DAY_QUOTA_U2}}, preempt_grace_seconds={"high": GRACE},
+            user_limits={"u2": {"gpu_hours_per_day": DAY_QUOTA_U2}, "u3": {"max_gpus": {"H100": H100_CAP_U3}}},
+            preempt_grace_seconds={"high": GRACE},
             max_shares_per_gpu=1.0, max_leases_per_shared_gpu=3, fairshare_half_life_seconds=1800,
         )
         inventory = SimulatedInventory(cluster=nodes) if isinstance(nodes, str) else SimulatedInventory(gpus=6,
@@ -198,6 +200,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             held[lease.user] = held.get(lease.user, 0.0) + lease.gpu_count
         for user, n in held.items():
             assert n <= CAP + EPS, (user, n)
+        h100 = sum(x.gpu_count / len(x.devices) for x in self.holding() if x.user == "u3" for d in x.devices
+                   if self.m.gpu_by_id[d].name == "H100")  # a share of a GPU counts as its fraction
+        assert h100 <= H100_CAP_U3 + EPS, h100
         assert held.get("u0", 0.0) + held.get("u1", 0.0) <= GROUP_CAP + EPS
         now = self.clock.now()
         cutoff = now - 86400
@@ -273,6 +278,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return True
         if lease.user in ("u0", "u1") and held.get("u0", 0.0) + held.get("u1", 0.0) + need > GROUP_CAP + EPS:
             return True
+        if lease.user == "u3" and lease.request.gpu_type == "H100":  # its own per-type cap
+            h100 = sum(x.gpu_count / len(x.devices) for x in self.holding() if x.user == "u3" for d in x.devices
+                       if self.m.gpu_by_id[d].name == "H100")
+            if h100 + need > H100_CAP_U3 + EPS:
+                return True
         return lease.user == "u2"  # its daily quota may hold it for up to a day
 
     @invariant()
