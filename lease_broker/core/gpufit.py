@@ -77,13 +77,9 @@ def fit_rule(req: LeaseRequest, aliases: Aliases, blocked: Sequence[str] = ()) -
     return lambda d: fits(d, req, aliases) and not any(matches_type(d.name, d.mig, t, aliases) for t in blocked)
 
 
-class Held(Protocol):
+class Held(Device, Protocol):
     """A device with the users holding it (a scheduler ``Slot``)."""
 
-    @property
-    def name(self) -> str: ...
-    @property
-    def mig(self) -> bool: ...
     @property
     def held_by(self) -> tuple[tuple[str, float], ...]: ...
 
