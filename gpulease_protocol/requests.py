@@ -21,6 +21,7 @@ _UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0,
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _GPUS_HINT = "give a count like 2, a range like '1-4' or a fraction like 0.25"
+_GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
 
 
 class RequestSyntaxError(ValueError):
@@ -51,6 +52,17 @@ def parse_size(value: Any, what: str = "size") -> int:
         if size < 1 << 62:  # also refuses inf (a 400-digit number)
             return int(size)
     raise RequestSyntaxError(f"Invalid {what} {value!r}: give bytes or a string like '16G'")
+
+
+def parse_gpu_type(value: Any, what: str = "gpu_type") -> str:
+    """A GPU type as a request names it: a model (``H100``), a configured type (``A100-40GB``), a MIG profile
+    (``1g.10gb``) or a device name (``NVIDIA H100 80GB HBM3``); ``""`` means any."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and (not value.strip() or _GPU_TYPE_RE.match(value.strip())):
+        return value.strip()
+    raise RequestSyntaxError(f"Invalid {what} {value!r}: give a GPU model or MIG profile like 'H100' or '1g.10gb' "
+                             "(letters, digits, space, '.', '_', '-', at most 64)")
 
 
 def parse_gpus(value: Any) -> tuple[int, int, float]:
@@ -97,9 +109,10 @@ def gpus_value(value: Any) -> int | float | str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def request_fields(gpus: Any = 1, *, mem: Any = None, time: Any = None, idle: Any = None,
-                   flag: str = "") -> dict[str, Any]:
-    """The request body's fields for what a user gave (``%%gpu 2 --time 30m``, ``lease(2, time="30m")``).
+def request_fields(gpus: Any = 1, *, mem: Any = None, time: Any = None, idle: Any = None, gpu_type: Any = None,
+                   gpu_mem: Any = None, flag: str = "") -> dict[str, Any]:
+    """The request body's fields for what a user gave (``%%gpu 2 --time 30m --gpu-type H100``,
+    ``lease(2, time="30m", gpu_type="H100")``).
 
     ``None`` leaves a field out (the broker's policy decides). A ``mem`` of 0 is refused: the body's 0 means
     "none asked", so a user who typed it meant something else. ``flag`` prefixes the option names in error
@@ -111,6 +124,13 @@ def request_fields(gpus: Any = 1, *, mem: Any = None, time: Any = None, idle: An
         if not fields["mem"]:  # in a request body 0 means "no memory asked"; given by a user, it is a mistake
             raise RequestSyntaxError(f"Invalid {flag}mem {mem!r}: give the memory wanted on a shared GPU, like "
                                      "'10G', or leave it out")
+    if gpu_type is not None:
+        fields["gpu_type"] = parse_gpu_type(gpu_type, f"{flag}gpu{'-' if flag else '_'}type")
+    if gpu_mem is not None:
+        fields["gpu_mem"] = parse_size(gpu_mem, f"{flag}gpu{'-' if flag else '_'}mem")
+        if not fields["gpu_mem"]:
+            raise RequestSyntaxError(f"Invalid {flag}gpu{'-' if flag else '_'}mem {gpu_mem!r}: give the memory "
+                                     "each GPU must have at least, like '40G', or leave it out")
     if time is not None:
         fields["duration_seconds"] = parse_duration(time, f"{flag}time")
     if idle is not None:

@@ -37,12 +37,14 @@ class LeaseView(Mapping[str, Any]):
     granted_at: float | None = None
     expires_at: float | None = None
     ended_at: float | None = None
-    devices: list[dict[str, Any]] = field(default_factory=list)  # {id, index, node, name}
+    devices: list[dict[str, Any]] = field(default_factory=list)  # {id, index, node, name, memory_total, mig}
     node: str = ""
     min_gpus: int = 1
     max_gpus: int = 1
     fraction: float = 1.0
     mem_bytes: int = 0
+    gpu_type: str = ""  # the GPU type asked for ("" = any)
+    gpu_mem: int = 0  # bytes each device must have at least (0 = any)
     priority: str = "normal"
     locality: str = "node"
     labels: dict[str, str] = field(default_factory=dict)

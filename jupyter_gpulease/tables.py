@@ -27,10 +27,17 @@ def fmt_duration(seconds: float) -> str:
 
 
 def lease_gpus(item: Mapping[str, Any]) -> str:
+    """'2', '1-4' or '0.25', with the GPU type and memory asked for: '2 H100 >=40.0 GiB'."""
     if item.get("fraction", 1.0) < 1.0:
-        return f"{item['fraction']:g}"
-    lo, hi = item.get("min_gpus", 1), item.get("max_gpus", 1)
-    return str(lo) if lo == hi else f"{lo}-{hi}"
+        text = f"{item['fraction']:g}"
+    else:
+        lo, hi = item.get("min_gpus", 1), item.get("max_gpus", 1)
+        text = str(lo) if lo == hi else f"{lo}-{hi}"
+    if item.get("gpu_type"):
+        text += f" {item['gpu_type']}"
+    if item.get("gpu_mem"):
+        text += f" >={fmt_bytes(item['gpu_mem'])}"
+    return text
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -20,9 +20,9 @@ from . import admin
 
 #: the request options and the body fields they carry: a broker's message about a field names the option instead
 OPTION_OF_FIELD = {"duration_seconds": "--time", "idle_timeout_seconds": "--idle", "mem_bytes": "--mem", "mem": "--mem",
-                   "wait_seconds": "--wait"}
+                   "wait_seconds": "--wait", "gpu_type": "--gpu-type", "gpu_mem": "--gpu-mem"}
 #: options whose value may look like a negative number (``--time -5m``), which argparse would take for an option
-VALUE_OPTIONS = ("--time", "--idle", "--mem", "--wait")
+VALUE_OPTIONS = ("--time", "--idle", "--mem", "--gpu-mem", "--wait")
 
 
 class CliError(Exception):
@@ -35,7 +35,8 @@ class CliError(Exception):
 
 def _request(c: BrokerClient, args: argparse.Namespace) -> Any:
     try:
-        fields = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, flag="--")
+        fields = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, gpu_type=args.gpu_type,
+                                gpu_mem=args.gpu_mem, flag="--")
         wait = parse_duration(args.wait, "--wait") if args.wait not in (None, "0") else 0.0
     except ValueError as e:  # the broker would refuse it the same way (400): same exit status
         raise CliError(str(e)) from None
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--time", help="time limit, e.g. 30m")
     rp.add_argument("--idle", help="idle timeout, e.g. 10m")
     rp.add_argument("--mem", help="memory on a shared GPU, e.g. 10G")
+    rp.add_argument("--gpu-type", help="GPU model or MIG profile every GPU must be, e.g. H100 or 1g.10gb")
+    rp.add_argument("--gpu-mem", help="memory every GPU must have at least, e.g. 40G")
     rp.add_argument("--priority", help="priority class")
     rp.add_argument("--spread", action="store_true", help="allow the GPUs to span nodes")
     rp.add_argument("--wait", nargs="?", const="0", default=None, metavar="SECONDS",

@@ -47,8 +47,9 @@ def _heartbeater(client: BrokerClient) -> Heartbeater:
 
 
 def _request(gpus: Any, time_limit: str | float | None, idle: str | float | None, mem: str | int | None,
-             priority: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
-    req = request_fields(gpus, mem=mem, time=time_limit, idle=idle)
+             priority: str | None, labels: dict[str, str] | None, gpu_type: str | None = None,
+             gpu_mem: str | int | None = None) -> dict[str, Any]:
+    req = request_fields(gpus, mem=mem, time=time_limit, idle=idle, gpu_type=gpu_type, gpu_mem=gpu_mem)
     req.update(heartbeat=True, labels=labels or {"source": "api"})
     if priority:
         req["priority"] = priority
@@ -110,10 +111,12 @@ class Lease:
 @contextlib.contextmanager
 def lease(gpus: int | str | float = 1, *, time: str | float | None = None, idle: str | float | None = None,
           mem: str | int | None = None, priority: str | None = None, wait: str | float | None = None,
-          broker: str | None = None, artifact_root: str | None = None) -> Iterator[Lease]:
-    """Hold a lease for a block; released when the block ends, however it ends."""
+          broker: str | None = None, artifact_root: str | None = None, gpu_type: str | None = None,
+          gpu_mem: str | int | None = None) -> Iterator[Lease]:
+    """Hold a lease for a block; released when the block ends, however it ends. ``gpu_type`` ('H100',
+    '1g.10gb') and ``gpu_mem`` ('40G') narrow the GPUs it may get."""
     client = BrokerClient(broker)
-    req = _request(gpus, time, idle, mem, priority, None)
+    req = _request(gpus, time, idle, mem, priority, None, gpu_type, gpu_mem)
     t0 = _now()
     granted = acquire(client, req, parse_duration(wait, "wait") if wait is not None else None, f"lease({gpus})")
     run = LeaseRun(client, _heartbeater(client), granted, artifact_root or _artifacts.default_root(), _now() - t0)

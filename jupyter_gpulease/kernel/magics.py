@@ -143,6 +143,8 @@ class GpuMagics(Magics):
     @argument("gpus", nargs="?", default="1",
               help="GPUs: a count (2), a range for incremental allocation (1-4), or a fraction of a shared GPU (0.25)")
     @argument("--mem", help="memory on a shared GPU, e.g. 10G (implies a shared GPU)")
+    @argument("--gpu-type", help="GPU model or MIG profile every GPU must be, e.g. H100 or 1g.10gb (`%%gpu status`)")
+    @argument("--gpu-mem", help="memory every GPU must have at least, e.g. 40G")
     @argument("--time", help="time limit of the lease, e.g. 30m (default: the broker's policy)")
     @argument("--idle", help="idle timeout, e.g. 10m (default: the broker's policy)")
     @argument("--in", dest="inputs", default="auto",
@@ -194,7 +196,8 @@ class GpuMagics(Magics):
 
     def _options(self, args: Any) -> dict[str, Any]:
         try:
-            request = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, flag="--")
+            request = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, gpu_type=args.gpu_type,
+                                     gpu_mem=args.gpu_mem, flag="--")
             request["heartbeat"] = True
             if args.priority:
                 request["priority"] = args.priority
@@ -358,7 +361,7 @@ class GpuMagics(Magics):
 
 
 #: options whose value may look like a negative number (``--time -5m``): argparse would take it for an option
-VALUE_OPTIONS = ("--time", "--idle", "--mem", "--wait", "--grace")
+VALUE_OPTIONS = ("--time", "--idle", "--mem", "--gpu-mem", "--wait", "--grace")
 _NEGATIVE = re.compile(r"(?<!\S)(" + "|".join(VALUE_OPTIONS) + r")\s+(-[\d.]\S*)")
 
 

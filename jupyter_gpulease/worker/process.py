@@ -30,6 +30,7 @@ from . import transfer
 # are loaded off the critical path (see _SourceRegistry).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import IO, Any
 
 _THIS_FILE = os.path.abspath(__file__).rstrip("c")
@@ -80,22 +81,25 @@ def _on_preemption_warning(signum: int, frame: Any) -> None:
                 b"the worker is stopped when the grace period ends (jupyter_gpulease.preempting() is True)\n")
 
 
-class _TorchMemoryFraction:
-    """On a shared GPU: applies GPULEASE_MEMORY_FRACTION to PyTorch the moment the cell imports torch."""
+class _OnImport:
+    """On a shared GPU: applies the lease's memory cap to a framework the moment the cell imports it."""
+
+    def __init__(self, name: str, limit: Callable[[Any], None]) -> None:
+        self.name, self.limit = name, limit
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "torch":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         import importlib.util
 
-        spec = importlib.util.find_spec("torch")
+        spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             run = spec.loader.exec_module
 
             def exec_module(module: Any) -> None:
                 run(module)
-                _limit_torch(module)
+                self.limit(module)
 
             spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -111,15 +115,32 @@ def _limit_torch(torch: Any) -> None:
         sys.stderr.write(f"gpulease: could not limit PyTorch to its share of the GPU: {e}\n")
 
 
+def _limit_tensorflow(tf: Any) -> None:
+    """TensorFlow takes nearly all GPU memory at its first GPU op: one logical device per GPU capped at the
+    lease's GPULEASE_MEMORY_LIMIT (MiB), set before TensorFlow initialises the GPUs (at import, as here)."""
+    try:
+        limit = int(os.environ.get("GPULEASE_MEMORY_LIMIT") or 0) >> 20
+        if limit > 0:
+            for gpu in tf.config.list_physical_devices("GPU"):
+                tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit)])
+    except Exception as e:  # e.g. the GPUs were initialised already: never break the cell's import
+        sys.stderr.write(f"gpulease: could not limit TensorFlow to its share of the GPU: {e}\n")
+
+
+_LIMITS = {"torch": _limit_torch, "tensorflow": _limit_tensorflow}
+
+
 def _limit_frameworks(env: dict[str, str]) -> None:
-    """A shared lease: cap the memory of frameworks that take it all by default (PyTorch now or on import)."""
+    """A shared lease: cap the memory of frameworks that take it all by default (PyTorch and TensorFlow now or
+    on import; JAX through its environment)."""
     if "GPULEASE_MEMORY_FRACTION" not in env:
         return
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", env["GPULEASE_MEMORY_FRACTION"])  # JAX, read at start
-    if "torch" in sys.modules:
-        _limit_torch(sys.modules["torch"])
-    elif not any(isinstance(f, _TorchMemoryFraction) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchMemoryFraction())
+    for name, limit in _LIMITS.items():
+        if name in sys.modules:
+            limit(sys.modules[name])
+        elif not any(isinstance(f, _OnImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _OnImport(name, limit))
 
 
 def _lifeline(stdin: IO[bytes], jobs: SimpleQueue[Any]) -> None:

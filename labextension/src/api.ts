@@ -73,6 +73,8 @@ export interface IGpu {
   utilization: number;
   state: string;
   simulated: boolean;
+  /** A MIG device (a slice of a GPU in MIG mode); its name ends with the profile. */
+  mig?: boolean;
   holders: IHolder[];
   /** While state is 'reserved': the open advance reservation the GPU is held for. */
   reservation?: { id: string; user: string; group: string; end: number };
@@ -126,6 +128,9 @@ export interface IQueueEntry {
   min_gpus: number;
   max_gpus: number;
   fraction: number;
+  /** What it waits for: a GPU type ('' = any) and memory per GPU in bytes (0 = any). */
+  gpu_type?: string;
+  gpu_mem?: number;
   waited_seconds: number;
   estimated_start: number | null;
 }

@@ -3,6 +3,7 @@
 import { IGpu } from './api';
 import { gpuChart } from './chart';
 import { formatBytes, formatDuration, h } from './format';
+import { gpuKind } from './gputype';
 import { GpuLeaseModel } from './model';
 
 /** How a GPU card reads at a glance. */
@@ -60,6 +61,7 @@ export function gpuCard(model: GpuLeaseModel, g: IGpu): HTMLElement {
       h('span', { class: 'jp-GpuLease-gpuName' }, `${g.index}: ${g.name}`),
       g.simulated ? h('span', { class: 'jp-GpuLease-badge jp-GpuLease-simulated' }, 'simulated') : null
     ),
+    h('div', { class: 'jp-GpuLease-kind', 'data-mig': g.mig ? 'true' : 'false' }, gpuKind(g)),
     h('div', { class: 'jp-GpuLease-state' }, st.text),
     figures(g),
     chart(model, g)

@@ -6,6 +6,7 @@ import { IArtifact, ILease, IQueueEntry } from './api';
 import { gpuCard, updateCardSample } from './cards';
 import { counter, h, tickCounters } from './format';
 import { GpuLeaseModel } from './model';
+import { wants } from './gputype';
 
 export const PANEL_ID = 'gpulease-panel';
 const FULL_RENDER_TICKS = 5; // the cards' countdowns and states: every 5 s
@@ -119,7 +120,7 @@ export class GpuLeasePanel extends Widget {
     return h(
       'li',
       { class: e.mine ? 'jp-GpuLease-queueItem jp-mod-mine' : 'jp-GpuLease-queueItem', 'data-lease-id': e.lease_id ?? '' },
-      `#${e.position} ${e.mine ? 'you' : e.user}: ${size}, waited `,
+      `#${e.position} ${e.mine ? 'you' : e.user}: ${size}${wants(e)}, waited `,
       counter('since', now - this.model.waited(e), now, 'jp-GpuLease-waited'),
       e.estimated_start ? [', starts in ~', counter('until', e.estimated_start, now)] : null
     );

@@ -16,7 +16,8 @@ class GPU:
     memory_total: int  # bytes
     link_group: str = ""  # GPUs of one group are best connected (NVLink island / PCIe switch)
     simulated: bool = False
-    mig: bool = False
+    mig: bool = False  # a MIG device (a slice of a GPU in MIG mode): CUDA shows a process only one of them
+    parent: str = ""  # a MIG device's physical GPU (its UUID); never leased itself while it is split
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from .fairshare import RunningUsage
 from .gpu import GPU
+from .gpufit import Kind, device_kinds
 from .lease import HOLDING, Lease, LeaseState
 from .slots import Slot, SlotIndex
 
@@ -31,8 +32,10 @@ class GpuTable:
 
     def set_gpus(self, gpus: Iterable[GPU], leases: Iterable[Lease]) -> None:
         """A new inventory (an engine's node joined or left): start over from these GPUs and live leases."""
+        gpus = list(gpus)
         self._static = {g.id: Slot(id=g.id, node=g.node, index=g.index, link_group=g.link_group,
-                                   memory_total=g.memory_total) for g in gpus}
+                                   memory_total=g.memory_total, name=g.name, mig=g.mig) for g in gpus}
+        self.kinds: dict[Kind, dict[str, int]] = device_kinds(gpus)  # what requests of a type or size can get
         per_node: dict[str, int] = {}
         for g in self._static.values():
             per_node[g.node] = per_node.get(g.node, 0) + 1
@@ -193,6 +196,7 @@ class GpuTable:
         shared = False
         for lease in holders.values():
             req = lease.request
+            s.held_by += ((lease.user, req.fraction if req.shared else 1.0),)
             if req.shared:
                 shared = True
                 s.shares += req.fraction
@@ -201,6 +205,7 @@ class GpuTable:
             else:
                 s.exclusive = True
             s.free_at = max(s.free_at, lease.expires_at or 0.0)
+        s.held_by = tuple(sorted(s.held_by))  # the same whatever order the leases came in
         now = self.busy[gid] = "shared" if shared else "leased"
         self.n_busy[now] += 1
         return s

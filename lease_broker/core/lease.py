@@ -76,6 +76,7 @@ _T = TypeVar("_T")
 parse_duration = _syntax(requests.parse_duration)
 parse_size = _syntax(requests.parse_size)
 _parse_gpus = _syntax(requests.parse_gpus)
+_parse_gpu_type = _syntax(requests.parse_gpu_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,8 @@ class LeaseRequest:
     locality: str = "node"  # "node": all GPUs on one node; "any": may span nodes
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
     heartbeat: bool = True  # False: no holder heartbeats (CLI leases); time limit and idleness still apply
+    gpu_type: str = ""  # "": any; else a model, configured type or MIG profile (core.gpufit)
+    gpu_mem: int = 0  # > 0: each device has at least this many bytes of memory
 
     @property
     def shared(self) -> bool:
@@ -162,6 +165,8 @@ def parse_request(data: Any) -> LeaseRequest:
         raise BadRequest(f"Invalid heartbeat {heartbeat!r}: must be true or false")
     return LeaseRequest(
         heartbeat=heartbeat,
+        gpu_type=_parse_gpu_type(data.get("gpu_type", "")),
+        gpu_mem=parse_size(data.get("gpu_mem", 0), "gpu_mem"),
         min_gpus=lo,
         max_gpus=hi,
         fraction=frac,
@@ -269,10 +274,12 @@ def reason_slug(reason: str, default: str) -> str:
 
 
 def describe_request(req: LeaseRequest) -> str:
-    """'2', '1-4', '0.25 (shared)' or '0.5 mem=…' for logs."""
+    """'2', '1-4', '0.25 (shared)' or '0.5 mem=…', with ' type=H100 gpu_mem=…' when asked, for logs."""
     if req.shared:
-        return f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
-    return str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"
+        text = f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
+    else:
+        text = str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"
+    return text + (f" type={req.gpu_type}" if req.gpu_type else "") + (f" gpu_mem={req.gpu_mem}" if req.gpu_mem else "")
 
 
 def renewal_seconds(lease: Lease, duration: Any, extend: Any, now: float) -> float:

@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterator, Mapping
 from .scheduler import Pending
 
 Key = tuple[int, float, int]  # (-priority rank, fair-share score, arrival seq): unique (seq is)
-Shape = tuple[bool, int, str]  # (shared, min GPUs, locality): requests of one shape need the same GPUs
+Shape = tuple[bool, int, str, str, int]  # (shared, min GPUs, locality, GPU type, memory per GPU): requests of one
+# shape need the same GPUs
 
 
 def shape_of(p: Pending) -> Shape:
     r = p.request
-    return (r.shared, 1 if r.shared else r.min_gpus, r.locality)
+    return (r.shared, 1 if r.shared else r.min_gpus, r.locality, r.gpu_type, r.gpu_mem)
 
 
 class Queue:

@@ -21,9 +21,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .gpufit import Aliases, TypeRoom, constrained, fit_rule
 from .lease import LeaseRequest
 from .reservation_windows import Window, WindowMap
-from .slots import Slot, SlotIndex
+from .slots import Slot, SlotIndex, pick_connected
 
 __all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "schedule",
            "queue_order", "pick_connected"]
@@ -58,6 +59,8 @@ class SchedulerPolicy:
     backfill_depth: int = 8
     groups_of: Callable[[str], Sequence[str]] = lambda user: ()
     group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
+    gpu_types: Aliases = ()  # admin-configured GPU type names (gpufit.aliases_of)
+    type_caps: Callable[[str], Mapping[str, float]] = lambda user: {}  # GPUs of a type a user may hold at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ def schedule(
     # (GPU count, locality) -> the earliest end that found no GPUs: a later request of the same shape that would
     # end no sooner cannot fit either (GPUs only get taken and reserved within a pass). Not with advance
     # reservations, whose GPUs depend on who asks.
-    no_fit: dict[tuple[int, str], float] = {}
+    no_fit: dict[tuple[int, str, str, int], float] = {}
     for p in (pending if ordered else queue_order(pending, policy, usage)):
         decision.order.append(p.lease_id)
         req = p.request
@@ -126,12 +129,12 @@ def schedule(
         end = now + p.duration
         if req.shared:
             grant = state.place_shared(p, end)
-        elif end >= no_fit.get((req.min_gpus, req.locality), INF):
+        elif end >= no_fit.get((req.min_gpus, req.locality, req.gpu_type, req.gpu_mem), INF):
             grant = None
         else:
             grant = state.place_exclusive(p, end)
             if grant is None and not state.windows.of and state.within_cap(p, req.min_gpus):
-                shape = (req.min_gpus, req.locality)
+                shape = (req.min_gpus, req.locality, req.gpu_type, req.gpu_mem)
                 no_fit[shape] = min(no_fit.get(shape, INF), end)
         if grant is not None:
             decision.grants.append(grant)
@@ -166,6 +169,7 @@ class _State:
         self.budget: dict[str, float] = {}
         self.windows = WindowMap([], now)  # advance reservations: which GPUs each one holds (set when there are)
         self._groups: dict[str, Sequence[str]] = {}
+        self.types = TypeRoom(policy.type_caps, policy.gpu_types)
         self.gheld: dict[str, float] = {}
         for user, n in held.items():
             for g in self.groups(user):
@@ -215,14 +219,23 @@ class _State:
                 room = min(room, left / max(p.duration, 1e-9))
         return room
 
-    def _charge(self, p: Pending, count: float) -> None:
+    def _charge(self, p: Pending, count: float, taken: Sequence[Slot] = ()) -> None:
         self.held[p.user] = self.held.get(p.user, 0.0) + count
+        self.types.charge(p.user, taken, count / max(len(taken), 1))
         if p.user in self.budget:
             self.budget[p.user] -= count * p.duration
         for g in self.groups(p.user):
             self.gheld[g] = self.gheld.get(g, 0.0) + count
             if "@" + g in self.budget:
                 self.budget["@" + g] -= count * p.duration
+
+    def fit_for(self, p: Pending) -> Callable[[Slot], bool] | None:
+        """Which devices ``p`` may get (gpufit: its type, size, MIG, the user's per-type caps); None: any."""
+        req = p.request
+        blocked = self.types.blocked(p.user, req.fraction if req.shared else req.min_gpus, self.ix.by_id.values)
+        if not blocked and not constrained(req) and not (self.ix.has_mig and req.max_gpus > 1 and not req.shared):
+            return None
+        return fit_rule(req, self.policy.gpu_types, blocked)
 
     # --- exclusive -------------------------------------------------------------------------
     def _usable(self, s: Slot, end: float, user: str = "") -> bool:
@@ -236,7 +249,13 @@ class _State:
         want_max = int(min(req.max_gpus, room + 1e-9))
         need = max(1, req.min_gpus) if req.locality == "node" else 1
         free_of: Callable[[str], list[Slot]]
-        if not self.reserved_from and not self.windows.of:  # nothing planned or reserved: usable = idle
+        fit = self.fit_for(p)
+        if fit is not None:  # a type, a memory size, no MIG devices or a per-type cap: only the devices that fit
+            free_by_node = {n: [s for s in self.nodes[n] if fit(s) and self._usable(s, end, p.user)]
+                            for n, k in self.ix.idle.items() if k >= need}
+            counts = {n: len(free) for n, free in free_by_node.items()}
+            free_of = free_by_node.__getitem__
+        elif not self.reserved_from and not self.windows.of:  # nothing planned or reserved: usable = idle
             counts = {n: k for n, k in self.ix.idle.items() if k >= need}  # exact: only nodes with room
             free_of = self._idle_of
         else:
@@ -263,10 +282,11 @@ class _State:
                     if more <= 0:
                         break
                     chosen.extend(pick_connected(free_of(node), min(more, -k)))
+        chosen = self.types.trim(p.user, chosen or [], req.min_gpus)  # per-type caps
         if not chosen:
             return None
         chosen = [self.take(s, end) for s in chosen]
-        self._charge(p, len(chosen))
+        self._charge(p, len(chosen), chosen)
         nodes = sorted({s.node for s in chosen})
         return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
 
@@ -281,13 +301,17 @@ class _State:
         if want <= 0:
             return None
         nodes = {self.by_id[d].node for d in g.devices if d in self.by_id}
-        free = [s for s in self.slots if self._usable(s, g.end, p.user) and (req.locality == "any" or s.node in nodes)]
+        fit = self.fit_for(p) or (lambda s: True)
+        free = [s for s in self.slots if self._usable(s, g.end, p.user) and (req.locality == "any" or s.node in nodes)
+                and fit(s)]
         if not free:
             return None
         groups = {self.by_id[d].link_group for d in g.devices if d in self.by_id}
         free.sort(key=lambda s: (s.node not in nodes, s.link_group not in groups, s.node, s.index))
-        chosen = [self.take(s, g.end) for s in free[:want]]
-        self._charge(p, len(chosen))
+        chosen = [self.take(s, g.end) for s in self.types.trim(p.user, free[:want], 1)]  # [] past per-type caps
+        if not chosen:
+            return None
+        self._charge(p, len(chosen), chosen)
         return Grant(p.lease_id, tuple(s.id for s in chosen), ",".join(sorted(nodes | {s.node for s in chosen})))
 
     def reserve(self, p: Pending) -> float:
@@ -306,6 +330,9 @@ class _State:
         groups: list[list[Slot]] = list(self.nodes.values())
         if p.request.locality == "any":
             groups = [self.slots]
+        fit = self.fit_for(p)
+        if fit is not None:
+            groups = [[s for s in members if fit(s)] for members in groups]
         for members in groups:
             if len(members) < k:
                 continue
@@ -328,8 +355,9 @@ class _State:
         pol = self.policy
         best: Slot | None = None
         best_key: tuple[Any, ...] | None = None
+        fit = self.fit_for(p)
         for s in self.slots:
-            if not s.available or s.exclusive:
+            if not s.available or s.exclusive or (fit is not None and not fit(s)):
                 continue
             if self.reserved_from.get(s.id, INF) < end:  # planned for a waiting request: only if it ends first
                 continue
@@ -353,23 +381,5 @@ class _State:
         best.n_shared += 1
         best.mem_used += req.mem_bytes or int(req.fraction * best.memory_total)
         best.free_at = max(best.free_at, end)
-        self._charge(p, req.fraction)
+        self._charge(p, req.fraction, [best])
         return Grant(p.lease_id, (best.id,), best.node)
-
-
-def pick_connected(free: list[Slot], k: int) -> list[Slot]:
-    """k GPUs of one node, preferring one link group (NVLink island) that fits them best."""
-    if k <= 0:
-        return []
-    groups: dict[str, list[Slot]] = {}
-    for s in free:
-        groups.setdefault(s.link_group, []).append(s)
-    fitting = [g for g in groups.values() if len(g) >= k]
-    if fitting:
-        return min(fitting, key=lambda g: (len(g), g[0].index))[:k]
-    chosen: list[Slot] = []
-    for g in sorted(groups.values(), key=lambda g: (-len(g), g[0].index)):
-        chosen.extend(g[: k - len(chosen)])
-        if len(chosen) == k:
-            break
-    return chosen

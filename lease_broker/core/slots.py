@@ -27,6 +27,9 @@ class Slot:
     n_shared: int = 0
     available: bool = True  # False while draining, unhealthy, or reserved by an admin window
     free_at: float = 0.0  # when it is expected to be free for an exclusive lease (INF = never)
+    name: str = ""  # the device's model (or MIG profile) name, for requests of a GPU type
+    mig: bool = False  # a MIG device: never one of several GPUs of a lease
+    held_by: tuple[tuple[str, float], ...] = ()  # (user, GPUs) of the leases on it, for per-type caps
 
     def clone(self) -> Slot:
         """A copy (dataclasses.replace is ~10x slower)."""
@@ -46,15 +49,17 @@ class SlotIndex:
     ``edit`` keeps those counts itself (``note_idle``).
     """
 
-    __slots__ = ("by_id", "nodes", "idle", "idle_total", "_owned_nodes", "_owned")
+    __slots__ = ("by_id", "nodes", "idle", "idle_total", "has_mig", "_owned_nodes", "_owned")
 
     def __init__(self, slots: Iterable[Slot] = ()) -> None:
         self.by_id: dict[str, Slot] = {}
         self.nodes: dict[str, list[Slot]] = {}
         self.idle: dict[str, int] = {}
         self.idle_total = 0
+        self.has_mig = False  # some slot is a MIG device: requests of several GPUs must skip those
         for s in slots:
             self.by_id[s.id] = s
+            self.has_mig = self.has_mig or s.mig
             self.nodes.setdefault(s.node, []).append(s)
             if s.idle:
                 self.idle[s.node] = self.idle.get(s.node, 0) + 1
@@ -75,6 +80,7 @@ class SlotIndex:
         """A copy that shares the slots until it changes them (``edit``/``put``); this index is left untouched."""
         c = object.__new__(SlotIndex)
         c.by_id, c.nodes, c.idle, c.idle_total = dict(self.by_id), dict(self.nodes), dict(self.idle), self.idle_total
+        c.has_mig = self.has_mig
         c._owned_nodes, c._owned = set(), set()
         return c
 
@@ -111,3 +117,21 @@ class SlotIndex:
             if m is old:
                 members[i] = new
                 break
+
+
+def pick_connected(free: list[Slot], k: int) -> list[Slot]:
+    """k GPUs of one node, preferring one link group (NVLink island) that fits them best."""
+    if k <= 0:
+        return []
+    groups: dict[str, list[Slot]] = {}
+    for s in free:
+        groups.setdefault(s.link_group, []).append(s)
+    fitting = [g for g in groups.values() if len(g) >= k]
+    if fitting:
+        return min(fitting, key=lambda g: (len(g), g[0].index))[:k]
+    chosen: list[Slot] = []
+    for g in sorted(groups.values(), key=lambda g: (-len(g), g[0].index)):
+        chosen.extend(g[: k - len(chosen)])
+        if len(chosen) == k:
+            break
+    return chosen

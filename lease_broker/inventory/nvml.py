@@ -8,6 +8,12 @@ Activity of a lease = the GPU utilisation (SM) or memory-controller utilisation
 ("memory traffic") of the lease's processes and their descendants, averaged over
 ``activity_window_seconds``. Where the driver has no per-process counters (MIG,
 older GPUs), the device's utilisation counts when only the lease's processes are on it.
+
+MIG: a GPU in MIG mode is not a device here; each of its MIG devices (``MIG-…`` UUIDs, a profile such as
+``1g.10gb``, their own memory) is, and a lease holds it alone (CUDA shows a process one MIG device). NVML has
+no utilisation counters for MIG devices (neither per device nor per process; only DCGM/GPM profiling has
+them), so a lease on one counts as active when its processes used CPU time (``activity_cpu_seconds``, as on
+the simulated inventory) while NVML lists them on the slice; memory and processes come per MIG device.
 """
 
 from __future__ import annotations
@@ -25,22 +31,9 @@ from ..core.gpu import GPU, GpuSample
 from ..core.lease import parse_size
 from ..host.procs import is_descendant, proc_info
 from . import Inventory
+from .nvml_calls import common_ancestor, has_nvlink, mig_enabled, p2p_nvlink, processes, pynvml
 
-
-class _LazyPynvml:
-    """``pynvml``, imported at first use: every broker imports this module (its traits are configurable), and
-    importing pynvml costs ~20 ms of each start, also for brokers that never touch NVML."""
-
-    def __getattr__(self, name: str) -> Any:
-        import pynvml as module
-
-        globals()["pynvml"] = module
-        return getattr(module, name)
-
-
-pynvml: Any = _LazyPynvml()
 _LOST_NAMES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
-_NVLINK_MAX_PROBE = 18  # links to probe per device (H100 SXM has 18)
 
 
 def nvml_loadable() -> str | None:
@@ -70,7 +63,7 @@ class _Point:
 @dataclass
 class _Device:
     gpu: GPU
-    handle: Any
+    handle: Any  # a MIG device's own handle for a MIG device
     baseline: int  # bytes used with no process on it (driver reservations)
     history: deque[_Point] = field(default_factory=deque)
     last_ts: int = 0  # NVML timestamp (us) of the newest per-process sample seen
@@ -149,7 +142,8 @@ class NVMLInventory(Inventory):
     def discover(self) -> list[GPU]:
         self._init()
         count = pynvml.nvmlDeviceGetCount()
-        found: list[tuple[Any, str, int, str, int, bool]] = []
+        found: list[tuple[Any, str, int, str, int]] = []
+        split: list[tuple[Any, str, int, str]] = []  # GPUs in MIG mode: their MIG devices are the devices
         for i in range(count):
             try:
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
@@ -160,23 +154,60 @@ class NVMLInventory(Inventory):
             except pynvml.NVMLError as e:
                 self.log.error("GPU %d: not usable, left out of the inventory: %s", i, e)
                 continue
-            found.append((h, uuid, index, name, total, _mig_enabled(h)))
+            if mig_enabled(h):
+                split.append((h, uuid, index, name))
+            else:
+                found.append((h, uuid, index, name, total))
         groups = self._link_groups([f[0] for f in found])
         devices: dict[str, _Device] = {}
-        for (h, uuid, index, name, total, mig), group in zip(found, groups, strict=True):
+        for (h, uuid, index, name, total), group in zip(found, groups, strict=True):
             gpu = GPU(id=uuid, index=index, node=self.node_name, name=name, memory_total=total,
-                      link_group=f"{self.node_name}/{group}", mig=mig)
+                      link_group=f"{self.node_name}/{group}")
             devices[uuid] = _Device(gpu, h, baseline=self._baseline(h))
-            self.log.info("GPU %s: index %d, %s, %d MiB, link group %s%s", uuid, index, name, total >> 20,
-                          group, ", MIG" if mig else "")
+            self.log.info("GPU %s: index %d, %s, %d MiB, link group %s", uuid, index, name, total >> 20, group)
+        for h, uuid, index, name in split:
+            for gpu, mh in self._mig_devices(h, uuid, index, name):
+                devices[gpu.id] = _Device(gpu, mh, baseline=self._baseline(mh))
         with self._lock:
             self._devices = devices
-        return [d.gpu for d in sorted(devices.values(), key=lambda d: d.gpu.index)]
+        return [d.gpu for d in sorted(devices.values(), key=lambda d: (d.gpu.index, d.gpu.mig, d.gpu.id))]
+
+    def _mig_devices(self, h: Any, parent: str, index: int, name: str) -> list[tuple[GPU, Any]]:
+        """The MIG devices of a GPU in MIG mode (none configured: nothing of it to lease, said in the log)."""
+        out: list[tuple[GPU, Any]] = []
+        try:
+            slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(h))
+        except pynvml.NVMLError as e:
+            self.log.error("GPU %s: in MIG mode, but its MIG devices cannot be listed (%s): left out", parent, e)
+            return out
+        for k in range(slots):
+            try:
+                mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, k)
+            except pynvml.NVMLError as e:
+                if e.value != pynvml.NVML_ERROR_NOT_FOUND:
+                    self.log.error("GPU %s: MIG device %d not usable: %s", parent, k, e)
+                continue
+            try:
+                uuid = str(pynvml.nvmlDeviceGetUUID(mh))
+                mig_name = str(pynvml.nvmlDeviceGetName(mh))
+                total = int(pynvml.nvmlDeviceGetMemoryInfo(mh).total)
+            except pynvml.NVMLError as e:
+                self.log.error("GPU %s: MIG device %d not usable: %s", parent, k, e)
+                continue
+            gpu = GPU(id=uuid, index=index, node=self.node_name, name=mig_name, memory_total=total,
+                      link_group=f"{self.node_name}/mig{index}", mig=True, parent=parent)
+            out.append((gpu, mh))
+            self.log.info("GPU %s: index %d, MIG device %s: %s, %d MiB", parent, index, uuid, mig_name, total >> 20)
+        if not out:
+            self.log.warning("GPU %s (index %d, %s) is in MIG mode without MIG devices: nothing of it can be leased "
+                             "(create GPU and compute instances with nvidia-smi mig, or turn MIG mode off)",
+                             parent, index, name)
+        return out
 
     def _baseline(self, h: Any) -> int:
         try:
             used = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
-            procs = sum(p for p in _processes(h).values())
+            procs = sum(p for p in processes(h).values())
         except pynvml.NVMLError:
             return 0
         return max(0, used - procs)
@@ -192,16 +223,16 @@ class NVMLInventory(Inventory):
                 i = parent[i]
             return i
 
-        nvlinked = [_has_nvlink(h) for h in handles]
+        nvlinked = [has_nvlink(h) for h in handles]
         kind = ["pci"] * n
         for i in range(n):
             for j in range(i + 1, n):
-                if nvlinked[i] and nvlinked[j] and _p2p_nvlink(handles[i], handles[j]):
+                if nvlinked[i] and nvlinked[j] and p2p_nvlink(handles[i], handles[j]):
                     parent[find(j)] = find(i)
                     kind[i] = kind[j] = "nvl"
         for i in range(n):
             for j in range(i + 1, n):
-                if kind[i] == kind[j] == "pci" and _common_ancestor(handles[i], handles[j]) <= \
+                if kind[i] == kind[j] == "pci" and common_ancestor(handles[i], handles[j]) <= \
                         pynvml.NVML_TOPOLOGY_HOSTBRIDGE:
                     parent[find(j)] = find(i)
         names: dict[int, str] = {}
@@ -222,9 +253,9 @@ class NVMLInventory(Inventory):
         for dev in devices:
             try:
                 mem = pynvml.nvmlDeviceGetMemoryInfo(dev.handle)
-                rates = pynvml.nvmlDeviceGetUtilizationRates(dev.handle)
-                pids = _processes(dev.handle)
-                proc_util = self._proc_util(dev)
+                rates = _utilisation(dev)
+                pids = processes(dev.handle)
+                proc_util = None if dev.gpu.mig else self._proc_util(dev)
             except pynvml.NVMLError as e:
                 if e.value in {getattr(pynvml, n) for n in _LOST_NAMES}:
                     if dev.healthy:
@@ -267,6 +298,11 @@ class NVMLInventory(Inventory):
 
     # ------------------------------------------------------------------ leases (event loop: no NVML)
     def lease_active(self, lease_id: str, pids: list[int], samples: dict[str, GpuSample], devices: list[str]) -> bool:
+        with self._lock:
+            mig = [self._devices[d] for d in devices if d in self._devices and self._devices[d].gpu.mig]
+        if mig:  # no utilisation counters: CPU time of the lease's processes while NVML lists them on the slice
+            on_slice = any(_belongs(q, pids) for d in mig if d.history for q in d.history[-1].pids)
+            return super().lease_active(lease_id, pids, samples, devices) and on_slice
         now = time.monotonic()
         window = self.activity_window_seconds
         best_sm = best_mem = 0.0
@@ -338,49 +374,13 @@ def _belongs(pid: int, pids: list[int]) -> bool:
     return pid in pids or any(is_descendant(pid, a) for a in pids if proc_info(a) is not None)
 
 
-def _processes(h: Any) -> dict[int, int]:
-    """pid -> bytes of every compute and graphics process on a device."""
-    out: dict[int, int] = {}
-    for fn in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
-        try:
-            procs = fn(h)
-        except pynvml.NVMLError as e:
-            if e.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_NO_PERMISSION):
-                continue
-            raise
-        for p in procs:
-            out[int(p.pid)] = out.get(int(p.pid), 0) + int(p.usedGpuMemory or 0)
-    return out
+class _Rates:
+    def __init__(self, gpu: float, memory: float) -> None:
+        self.gpu, self.memory = gpu, memory
 
 
-def _mig_enabled(h: Any) -> bool:
-    try:
-        current, _pending = pynvml.nvmlDeviceGetMigMode(h)
-    except pynvml.NVMLError:
-        return False  # NOT_SUPPORTED on GPUs without MIG
-    return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
-
-
-def _has_nvlink(h: Any) -> bool:
-    for link in range(_NVLINK_MAX_PROBE):
-        try:
-            if pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED:
-                return True
-        except pynvml.NVMLError:
-            return False
-    return False
-
-
-def _p2p_nvlink(a: Any, b: Any) -> bool:
-    try:
-        status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
-    except pynvml.NVMLError:
-        return False
-    return bool(status == pynvml.NVML_P2P_STATUS_OK)
-
-
-def _common_ancestor(a: Any, b: Any) -> int:
-    try:
-        return int(pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b))
-    except pynvml.NVMLError:
-        return pynvml.NVML_TOPOLOGY_SYSTEM
+def _utilisation(dev: _Device) -> Any:
+    """The device's utilisation rates; zero for a MIG device (NVML has no counters for one)."""
+    if dev.gpu.mig:
+        return _Rates(0.0, 0.0)
+    return pynvml.nvmlDeviceGetUtilizationRates(dev.handle)

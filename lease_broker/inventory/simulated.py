@@ -9,6 +9,7 @@ with real GPUs.
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 from typing import Any
 
@@ -31,6 +32,27 @@ def gpu_uuid(name: str) -> str:
     return f"{x[:8]}-{x[8:12]}-{x[12:16]}-{x[16:20]}-{x[20:]}"
 
 
+_GROUP_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?::\s*([A-Za-z0-9][A-Za-z0-9 ._-]*?)\s*)?(?::\s*(\S+)\s*)?$")
+_NAME_MEMORY_RE = re.compile(r"(\d+)\s*GB?$", re.IGNORECASE)
+
+
+def parse_cluster(text: str, memory: str = "80G") -> list[tuple[int, int, str, int]]:
+    """Groups of alike nodes from ``'2x8:A100-40GB,1x8:H100:80G'``: (nodes, GPUs per node, GPU name, bytes).
+
+    A group without a name has ``'Simulated GPU'``; without a memory size, the size that ends its name
+    (``A100-40GB``: 40G), else ``memory``."""
+    groups = []
+    for part in text.split(","):
+        m = _GROUP_RE.match(part)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"Invalid cluster {text!r}: give NODESxGPUS[:GPU_NAME[:MEMORY]] groups separated by "
+                             "commas, e.g. 8x8 or 2x8:A100-40GB,1x8:H100:80G")
+        name = m.group(3) or "Simulated GPU"
+        size = m.group(4) or (f"{n.group(1)}G" if (n := _NAME_MEMORY_RE.search(name)) else memory)
+        groups.append((int(m.group(1)), int(m.group(2)), name, parse_size(size, f"memory of {part.strip()!r}")))
+    return groups
+
+
 def _gpu(fields: dict[str, Any]) -> GPU:
     """``GPU(**fields)`` without the frozen dataclass's __init__ (a third of its cost; 10,000 GPUs at every
     start). ``fields`` must name every field: test_inventory_contract compares the result with GPU(**fields)."""
@@ -47,6 +69,13 @@ class SimulatedInventory(Inventory):
     nodes = Integer(1, config=True, help="Number of simulated nodes the GPUs are spread over. Example: 2.")
     gpu_name = Unicode("Simulated GPU", config=True, help="Device name shown for every simulated GPU.")
     memory = Unicode("80G", config=True, help="Memory of each simulated GPU, e.g. '80G' or '24GiB'.")
+    cluster = Unicode(
+        "",
+        config=True,
+        help="Mixed simulated nodes, replacing gpus, nodes, gpu_name and memory: groups of NODESxGPUS[:GPU_NAME"
+        "[:MEMORY]] separated by commas, e.g. '2x8:A100-40GB,1x8:H100:80G' (3 nodes; a name's size, 40GB, is its "
+        "memory unless given). '' = gpus GPUs of one kind on nodes nodes.",
+    )
     link_group_size = Integer(
         4,
         config=True,
@@ -66,6 +95,15 @@ class SimulatedInventory(Inventory):
             raise ValueError(f"SimulatedInventory.nodes={proposal['value']!r}: give 1 to 10000")
         return int(proposal["value"])
 
+    @validate("cluster")
+    def _valid_cluster(self, proposal: dict[str, Any]) -> str:
+        if proposal["value"]:
+            try:
+                parse_cluster(proposal["value"])
+            except ValueError as e:
+                raise ValueError(f"SimulatedInventory.cluster: {e}") from None
+        return str(proposal["value"])
+
     @validate("memory")
     def _valid_memory(self, proposal: dict[str, Any]) -> str:
         parse_size(proposal["value"], "SimulatedInventory.memory")
@@ -74,18 +112,26 @@ class SimulatedInventory(Inventory):
     _ids: list[str] | None = None
 
     def discover(self) -> list[GPU]:
-        nodes = min(self.nodes, self.gpus)
-        per_node, extra = divmod(self.gpus, nodes)
-        mem = parse_size(self.memory)
-        name, group_size, single = self.gpu_name, self.link_group_size, self.node_name  # traits: read once
+        if self.cluster:
+            groups = parse_cluster(self.cluster, self.memory)
+        else:
+            nodes = min(self.nodes, self.gpus)
+            per_node, extra = divmod(self.gpus, nodes)
+            mem = parse_size(self.memory)
+            groups = [(1, per_node + 1, self.gpu_name, mem)] * extra + [(nodes - extra, per_node, self.gpu_name, mem)]
+        total_nodes = sum(n for n, *_ in groups)
+        group_size, single = self.link_group_size, self.node_name  # traits: read once
         out: list[GPU] = []
-        for n in range(nodes):
-            node = single if nodes == 1 else f"sim-node-{n}"
-            for i in range(per_node + (1 if n < extra else 0)):
-                group = i // group_size if group_size else 0
-                out.append(_gpu({"id": "GPU-" + gpu_uuid(f"{node}/{i}"), "index": i, "node": node, "name": name,
-                                 "memory_total": mem, "link_group": f"{node}/nvl{group}", "simulated": True,
-                                 "mig": False}))
+        n = 0
+        for count, per_node, name, mem in groups:
+            for _ in range(count):
+                node = single if total_nodes == 1 else f"sim-node-{n}"
+                n += 1
+                for i in range(per_node):
+                    group = i // group_size if group_size else 0
+                    out.append(_gpu({"id": "GPU-" + gpu_uuid(f"{node}/{i}"), "index": i, "node": node, "name": name,
+                                     "memory_total": mem, "link_group": f"{node}/nvl{group}", "simulated": True,
+                                     "mig": False, "parent": ""}))
         return out
 
     def sample(self) -> dict[str, GpuSample]:

@@ -117,7 +117,7 @@ class LeaseManager:
     def request(self, who: Identity, body: Any) -> tuple[Lease, str]:
         req = parse_request(body)
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
-        self.quotas.check_placeable(req)
+        self.quotas.check_placeable(req, who.user)
         now = self.clock.now()
         secret = secrets.token_urlsafe(24)
         lease = Lease(id="l-" + secrets.token_hex(6), user=who.user, uid=who.uid, request=req,

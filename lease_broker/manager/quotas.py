@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from ..core.errors import BadRequest, Forbidden
+from ..core.gpufit import beyond_caps, constrained, unplaceable
 from ..core.lease import HOLDING, Lease, LeaseRequest
 from ..core.reservation_windows import window_shortfall
 from ..policy.lease_policy import LeasePolicy
@@ -45,8 +46,18 @@ class Quotas:
                 budget[key] = seconds - charged.get(key, 0.0)
         return budget
 
-    def check_placeable(self, req: LeaseRequest) -> None:
-        """Refuse a gang that no node can ever hold, or more memory than any GPU has (it would wait forever)."""
+    def check_placeable(self, req: LeaseRequest, user: str) -> None:
+        """Refuse a gang that no node can ever hold, more memory than any GPU has, a GPU type or size that no
+        device has, or only devices of types the user is capped below it for (it would wait forever), naming what
+        exists."""
+        table, aliases = self.state.table, self.policy.gpu_type_aliases()
+        if constrained(req) or (req.max_gpus > 1 and not req.shared and any(k.mig for k in table.kinds)):
+            why = unplaceable(req, table.kinds, aliases)
+            if why is not None:
+                raise BadRequest(why, reason="no_such_gpu" if constrained(req) else "too_large")
+        why = beyond_caps(req, table.kinds, aliases, self.policy.type_caps(user))
+        if why is not None:
+            raise Forbidden(why, reason="quota")
         largest = self.state.table.largest_memory
         if req.mem_bytes and largest and req.mem_bytes > largest:
             raise BadRequest(f"Request for mem={req.mem_bytes / 2**30:.4g}G can never be granted: the largest GPU has "

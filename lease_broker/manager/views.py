@@ -39,7 +39,7 @@ def lease_view(
 ) -> dict[str, Any]:
     req = lease.request
     devices = [
-        {"id": g.id, "index": g.index, "node": g.node, "name": g.name}
+        {"id": g.id, "index": g.index, "node": g.node, "name": g.name, "memory_total": g.memory_total, "mig": g.mig}
         for g in (gpus.get(d) for d in lease.devices)
         if g is not None
     ]
@@ -58,6 +58,8 @@ def lease_view(
         "max_gpus": req.max_gpus,
         "fraction": req.fraction,
         "mem_bytes": req.mem_bytes,
+        "gpu_type": req.gpu_type,
+        "gpu_mem": req.gpu_mem,
         "priority": req.priority,
         "locality": req.locality,
         "labels": dict(req.labels),
@@ -97,6 +99,7 @@ def gpu_view(
         "link_group": gpu.link_group,
         "simulated": gpu.simulated,
         "mig": gpu.mig,
+        "parent": gpu.parent or None,
         "state": state,
         "holders": [
             {
@@ -216,6 +219,8 @@ class Views:
                     "min_gpus": lease.request.min_gpus,
                     "max_gpus": lease.request.max_gpus,
                     "fraction": lease.request.fraction,
+                    "gpu_type": lease.request.gpu_type,
+                    "gpu_mem": lease.request.gpu_mem,
                     "priority": lease.request.priority,
                     "waited_seconds": max(0.0, now - lease.created_at),
                     "estimated_start": self.state.planned.get(lease.id),

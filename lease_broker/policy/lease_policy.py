@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Dict, Enum, Float, Integer, TraitError, Unicode, validate
+from traitlets import Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..core.errors import BadRequest, Forbidden
+from ..core.gpufit import Aliases, aliases_of
 from ..core.lease import LeaseRequest
 from ..core.scheduler import SchedulerPolicy
 from .limits import LimitsPolicy
@@ -114,6 +115,15 @@ class LeasePolicy(LimitsPolicy, Configurable):
         4, config=True, help="How many shared (fractional) leases one GPU may hold at once. Example: 4."
     )
     default_priority = Unicode("normal", config=True, help="Priority class of a request that names none.")
+    gpu_types = Dict(
+        value_trait=List(Unicode()),
+        config=True,
+        help="GPU type names users may ask for (--gpu-type) beyond the devices' own names, each with the NVML "
+        "device names (or shell patterns) it covers, matched case-insensitively, e.g. {'A100-40GB': "
+        "['NVIDIA A100-SXM4-40GB', 'NVIDIA A100-PCIE-40GB'], 'big': ['*H100*', '*A100*80GB*']}. A device also "
+        "answers to its own name, to that name without 'NVIDIA ', and to its first word ('H100'); a MIG device to "
+        "its profile ('1g.10gb') and to 'MIG'. {} = only those.",
+    )
     drain_timeout = Float(
         60.0,
         config=True,
@@ -168,7 +178,12 @@ class LeasePolicy(LimitsPolicy, Configurable):
             backfill_depth=self.backfill_depth,
             groups_of=self.groups_of,
             group_cap=self.group_cap,
+            gpu_types=self.gpu_type_aliases(),
+            type_caps=self.type_caps,
         )
+
+    def gpu_type_aliases(self) -> Aliases:
+        return aliases_of(self.gpu_types)
 
     def apply(self, user: str, req: LeaseRequest, total_gpus: int) -> tuple[LeaseRequest, float, float]:
         """Check a request against policy; returns (request, duration, idle timeout) with caps applied."""
@@ -191,6 +206,10 @@ class LeasePolicy(LimitsPolicy, Configurable):
                 f"Request for {need:g} GPUs exceeds your limit of {cap:g} GPUs at once (max_gpus_per_user)",
                 reason="quota",
             )
+        for t, n in self.type_caps(user).items():
+            if req.gpu_type.lower() == t.lower() and need > n:
+                raise Forbidden(f"Request for {need:g} {t} GPUs exceeds your limit of {n:g} {t} GPUs at once "
+                                "(max_gpus)", reason="quota")
         duration = req.duration_seconds or self.limit(user, "default_duration_seconds")
         duration = min(duration, self.limit(user, "max_duration_seconds"))
         idle = req.idle_timeout_seconds or self.limit(user, "default_idle_timeout_seconds")

@@ -43,6 +43,12 @@ def _check_limits(owner: str, value: dict[str, Any], keys: tuple[str, ...] | Non
             if key == "priority_classes":
                 if not isinstance(v, (list, tuple)) or not all(isinstance(c, str) for c in v):
                     raise ValueError(f"LeasePolicy.{owner}[{who!r}]['priority_classes']={v!r}: must be a list of names")
+            elif key == "max_gpus" and isinstance(v, dict) and owner != "group_quotas":
+                for t, n in v.items():
+                    if not isinstance(t, str) or not t or isinstance(n, bool) or not isinstance(n, (int, float)) \
+                            or n < 0 or math.isnan(n):
+                        raise ValueError(f"LeasePolicy.{owner}[{who!r}]['max_gpus'][{t!r}]={n!r}: give GPU types "
+                                         "and numbers >= 0, e.g. {'H100': 1, '*': 4} ('*': all GPUs together)")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
                 raise ValueError(f"LeasePolicy.{owner}[{who!r}][{key!r}]={v!r}: must be a number >= 0")
     return value
@@ -79,7 +85,9 @@ class LimitsPolicy(Configurable):
         config=True,
         help="Per-user limits overriding the defaults, e.g. {'alice': {'max_gpus': 8, 'gpu_hours_per_day': 48, "
         "'priority_classes': ['low', 'normal', 'high'], 'fairshare_weight': 2}}. Keys: " + ", ".join(LIMIT_KEYS)
-        + " (durations in seconds; 0 = unlimited where the default allows it).",
+        + " (durations in seconds; 0 = unlimited where the default allows it). max_gpus may also be per GPU type "
+        "(as --gpu-type names them): {'bob': {'max_gpus': {'H100': 1, '*': 4}}} = at most 1 H100 and 4 GPUs "
+        "in all ('*'; absent: the default).",
     )
     group_limits = Dict(
         config=True,
@@ -204,12 +212,13 @@ class LimitsPolicy(Configurable):
 
     def _limit(self, user: str, key: str) -> Any:
         own = self.user_limits.get(user, {})
-        if key in own:
-            return own[key]
+        if _overall(own.get(key)) is not None:
+            return _overall(own[key])
         legacy: dict[str, float] = getattr(self, "user_max_gpus", {})  # LeasePolicy's older per-user cap
         if key == "max_gpus" and user in legacy:
             return float(legacy[user])
-        found = [self.group_limits[g][key] for g in self.groups_of(user) if key in self.group_limits.get(g, {})]
+        found = [_overall(self.group_limits[g][key]) for g in self.groups_of(user) if key in self.group_limits.get(g, {})]
+        found = [v for v in found if v is not None]
         if found:
             if key == "priority_classes":
                 return sorted({c for classes in found for c in classes})
@@ -220,6 +229,22 @@ class LimitsPolicy(Configurable):
         if key == "priority_classes":
             return list(default) or sorted(getattr(self, "priority_classes", {}))
         return default
+
+    def type_caps(self, user: str) -> dict[str, float]:
+        """GPUs of each type ``user`` may hold at once (``max_gpus`` given per type): the user's own entry, else
+        the most generous of their groups' for each type; types without a cap are absent."""
+        answers = self._answers()
+        if ("#types", user) not in answers:
+            own = self.user_limits.get(user, {}).get("max_gpus")
+            found = [own] if own is not None else [self.group_limits[g]["max_gpus"] for g in self.groups_of(user)
+                                                   if "max_gpus" in self.group_limits.get(g, {})]
+            caps: dict[str, float] = {}
+            for d in found:
+                for t, n in (d.items() if isinstance(d, dict) else ()):
+                    if t != "*":
+                        caps[t] = 0.0 if n == 0 or caps.get(t) == 0 else max(caps.get(t, 0.0), float(n))
+            answers[("#types", user)] = {t: n for t, n in caps.items() if n > 0}
+        return dict(answers[("#types", user)])
 
     def group_cap(self, group: str) -> float:
         return float(self.group_quotas.get(group, {}).get("max_gpus", 0.0))
@@ -267,3 +292,8 @@ class LimitsPolicy(Configurable):
                     f"daily quota of {seconds / 3600:g} GPU-hours of {who} (gpu_hours_per_day): ask for less time",
                     reason="quota",
                 )
+
+
+def _overall(value: Any) -> Any:
+    """A limit's value; of ``max_gpus`` given per type, the cap of all GPUs together ('*'; None: not given)."""
+    return value.get("*") if isinstance(value, dict) else value

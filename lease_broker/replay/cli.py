@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("bursts", help="bursts CSV: session_id,start_s,duration_s,num_gpus (extra columns ignored)")
     p.add_argument("--sessions", help="sessions CSV: session_id,start_s,stop_s,max_gpus (for the baseline; "
                    "default: each session spans its bursts and holds its largest request)")
-    p.add_argument("--cluster", type=_cluster, default=Cluster(8, 8), help="NODESxGPUS_PER_NODE (default 8x8)")
+    p.add_argument("--cluster", type=_cluster, default=Cluster(8, 8), help="NODESxGPUS_PER_NODE (default 8x8), or mixed groups "
+                   "NODESxGPUS:GPU_NAME[:MEMORY] separated by commas, e.g. 2x8:A100-40GB,1x8:H100")
     p.add_argument("--config", help="broker policy file (traitlets python config: c.LeasePolicy.x = ...)")
     p.add_argument("--idle", type=_duration, default=None,
                    help="idle timeout of a lease, e.g. 10m (default: the policy's default_idle_timeout_seconds)")

@@ -35,7 +35,7 @@ from ..core.clock import VirtualClock
 from ..core.errors import Forbidden
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
-from ..inventory.simulated import SimulatedInventory
+from ..inventory.simulated import SimulatedInventory, parse_cluster
 from ..manager.manager import LeaseManager
 from ..policy.lease_policy import LeasePolicy
 from ..store.lease_store import Store
@@ -50,22 +50,37 @@ _END, _STOP, _DEADLINE, _ARRIVE, _PRESSURE = 0, 1, 2, 3, 4
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
+    """The replayed cluster: ``nodes`` of ``gpus_per_node``, or mixed groups (``spec``, as
+    ``SimulatedInventory.cluster`` reads it: ``2x8:A100-40GB,1x8:H100``)."""
+
     nodes: int
     gpus_per_node: int
+    spec: str = ""
+    total: int = 0
 
-    @property
-    def total(self) -> int:
-        return self.nodes * self.gpus_per_node
+    def __post_init__(self) -> None:
+        if not self.total:
+            object.__setattr__(self, "total", self.nodes * self.gpus_per_node)
 
     @classmethod
     def parse(cls, text: str) -> "Cluster":
         m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise ValueError(f"Invalid cluster {text!r}: give NODESxGPUS_PER_NODE, e.g. 8x8")
-        return cls(int(m.group(1)), int(m.group(2)))
+        if m:
+            if int(m.group(1)) < 1 or int(m.group(2)) < 1:
+                raise ValueError(f"Invalid cluster {text!r}: give NODESxGPUS_PER_NODE, e.g. 8x8")
+            return cls(int(m.group(1)), int(m.group(2)))
+        groups = parse_cluster(text)  # mixed: 2x8:A100-40GB,1x8:H100
+        return cls(sum(n for n, *_ in groups), max(g for _, g, *_ in groups), ",".join(p.strip() for p in text.split(",")),
+                   sum(n * g for n, g, *_ in groups))
+
+    def inventory(self) -> SimulatedInventory:
+        """The simulated inventory of this cluster's shape."""
+        if self.spec:
+            return SimulatedInventory(cluster=self.spec, node_name="sim-node-0", link_group_size=0)
+        return SimulatedInventory(gpus=self.total, nodes=self.nodes, node_name="sim-node-0", link_group_size=0)
 
     def __str__(self) -> str:
-        return f"{self.nodes}x{self.gpus_per_node}"
+        return self.spec or f"{self.nodes}x{self.gpus_per_node}"
 
 
 @dataclasses.dataclass
@@ -156,7 +171,7 @@ class _Sim:
         self.policy = policy
         self.m = LeaseManager(
             Store(":memory:"),
-            SimulatedInventory(gpus=cluster.total, nodes=cluster.nodes, node_name="sim-node-0", link_group_size=0),
+            cluster.inventory(),
             policy,
             clock=self.clock,
         )

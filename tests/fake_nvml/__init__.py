@@ -30,6 +30,16 @@ def build() -> Path:
 
 
 @dataclass
+class FakeMig:
+    """A MIG device (a slice of a GPU in MIG mode) at ``index`` (0-6) on its GPU."""
+
+    index: int
+    profile: str = "1g.10gb"
+    memory_total: int = 10 << 30
+    uuid: str = ""  # default: MIG-fa4e<gpu>-<index>-4000-8000-000000000000
+
+
+@dataclass
 class FakeGpu:
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3 (fake)"
@@ -42,6 +52,7 @@ class FakeGpu:
     numa: int = 0
     proc_util: bool = True
     lost: bool = False
+    migs: list[FakeMig] = field(default_factory=list)  # MIG devices (NVML lists them only while mig == 1)
 
 
 @dataclass
@@ -52,6 +63,7 @@ class FakeProc:
     kind: str = "compute"
     sm: int = 0
     mem_util: int = 0
+    mig: int = -1  # the MIG device (its index on the GPU) it runs on; -1: the whole GPU
 
 
 @dataclass
@@ -74,6 +86,15 @@ class FakeNvml:
         ]
         return cls(Path(path), gpus).write()
 
+    def split(self, gpu: int, profiles: list[tuple[str, int]]) -> list[str]:
+        """Turn MIG mode on for GPU ``gpu`` with these (profile, bytes) MIG devices; returns their UUIDs."""
+        g = self.gpus[gpu]
+        g.mig = 1
+        g.migs = [FakeMig(k, p, b, f"MIG-fa4e{gpu:04x}-{k:04x}-4000-8000-000000000000") for k, (p, b) in
+                  enumerate(profiles)]
+        self.write()
+        return [m.uuid for m in g.migs]
+
     def env(self) -> dict[str, str]:
         """Environment for a broker process that should load this fake driver."""
         return {"LD_LIBRARY_PATH": str(build().parent), "FAKE_NVML_STATE": str(self.path)}
@@ -92,8 +113,10 @@ class FakeNvml:
                       f"gpu {i} proc_util {int(g.proc_util)}", f"gpu {i} lost {int(g.lost)}"]
             if g.mig is not None:
                 lines.append(f"gpu {i} mig {g.mig}")
+            for m in g.migs:
+                lines.append(f"mig {i} {m.index} {m.profile} {m.memory_total} {m.uuid}".rstrip())
         for p in self.procs:
-            lines.append(f"proc {p.gpu} {p.pid} {p.memory} {p.kind} {p.sm} {p.mem_util}")
+            lines.append(f"proc {p.gpu} {p.pid} {p.memory} {p.kind} {p.sm} {p.mem_util} {p.mig}")
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         os.replace(tmp, self.path)

@@ -19,12 +19,19 @@
  *                                  processes' memory is added on top
  *   gpu 0 util 35 10               device utilisation: gpu %, memory %
  *   gpu 0 mig 1                    MIG mode (absent: NOT_SUPPORTED, as on GPUs without MIG)
+ *   mig 0 1 1g.10gb 10737418240 MIG-...   a MIG device of gpu 0 at MIG index 1 (of at most 7): its profile,
+ *                                  memory in bytes and UUID (default MIG-fa4e<gpu>-<index>-...); GPU instance
+ *                                  id = index + 1, compute instance id 0. As on a real A100/H100 in MIG mode,
+ *                                  a MIG device has no utilisation counters (device or per process): those
+ *                                  calls answer NOT_SUPPORTED, on the parent too while MIG is on.
  *   gpu 0 nvlink 0                 NVLink island: GPUs of one island are NVLink peers (-1: none)
  *   gpu 0 pci_switch 0             PCIe switch; same switch -> common ancestor SINGLE
  *   gpu 0 numa 0                   NUMA node; same node -> NODE, else SYSTEM
  *   gpu 0 proc_util 0              per-process utilisation not supported on this device
  *   gpu 0 lost 1                   every call on this device fails with GPU_IS_LOST
  *   proc 0 1234 104857600 compute 35 10    process on gpu 0: pid, bytes, compute|graphics, sm %, mem %
+ *   proc 0 1234 104857600 compute 0 0 1    ... on MIG device 1 of gpu 0 (a 7th field; absent or -1: the
+ *                                  whole GPU)
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -50,6 +57,7 @@ enum {
 #define MAX_GPUS 64
 #define MAX_PROCS 256
 #define NVLINKS 4
+#define MAX_MIG 7 /* MIG devices per GPU (A100/H100: at most 7) */
 
 typedef struct {
     unsigned long long total, free, used;
@@ -79,12 +87,20 @@ typedef struct {
 typedef struct {
     int present;
     char uuid[96];
+    char profile[32];
+    unsigned long long memory_total;
+} mig_t;
+
+typedef struct {
+    int present;
+    char uuid[96];
     char name[96];
     unsigned long long memory_total, memory_used;
     unsigned int util_gpu, util_mem;
     int mig; /* -1 not supported */
     int nvlink, pci_switch, numa;
     int proc_util, lost;
+    mig_t migs[MAX_MIG];
 } gpu_t;
 
 typedef struct {
@@ -93,10 +109,12 @@ typedef struct {
     unsigned long long mem;
     int graphics;
     unsigned int sm, memutil;
+    int mig; /* -1: on the whole GPU */
 } proc_t;
 
 struct nvmlDevice_st {
     int index;
+    int mig; /* -1: the physical GPU; else the MIG device's index on it */
 };
 typedef struct nvmlDevice_st *nvmlDevice_t;
 
@@ -104,6 +122,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static gpu_t gpus[MAX_GPUS];
 static proc_t procs[MAX_PROCS];
 static struct nvmlDevice_st handles[MAX_GPUS];
+static struct nvmlDevice_st mig_handles[MAX_GPUS][MAX_MIG];
 static int n_gpus, n_procs, init_error, initialized;
 static char driver[80] = "550.54.15-fake";
 static struct timespec seen_mtime;
@@ -117,6 +136,22 @@ static void reset_state(void) {
     strcpy(driver, "550.54.15-fake");
 }
 
+/* The GPU at idx, made present with defaults when a line first names it. */
+static gpu_t *touch_gpu(int idx) {
+    gpu_t *g = &gpus[idx];
+    if (!g->present) {
+        g->present = 1;
+        g->mig = -1;
+        g->nvlink = -1;
+        g->proc_util = 1;
+        snprintf(g->uuid, sizeof g->uuid, "GPU-fa4e0000-0000-4000-8000-%012d", idx);
+        snprintf(g->name, sizeof g->name, "Fake NVIDIA GPU");
+        g->memory_total = 80ULL << 30;
+    }
+    if (idx + 1 > n_gpus) n_gpus = idx + 1;
+    return g;
+}
+
 static void parse_line(char *line) {
     char *nl = strchr(line, '\n');
     if (nl) *nl = 0;
@@ -126,19 +161,23 @@ static void parse_line(char *line) {
     int idx, off = 0;
     if (sscanf(line, " driver %79s", driver) == 1) return;
     if (sscanf(line, " init_error %d", &init_error) == 1) return;
+    int slice;
+    char profile[32], uuid[96];
+    unsigned long long bytes;
+    int got = sscanf(line, " mig %d %d %31s %llu %95s", &idx, &slice, profile, &bytes, uuid);
+    if (got >= 4 && idx >= 0 && idx < MAX_GPUS && slice >= 0 && slice < MAX_MIG) {
+        gpu_t *g = touch_gpu(idx);
+        mig_t *m = &g->migs[slice];
+        m->present = 1;
+        snprintf(m->profile, sizeof m->profile, "%s", profile);
+        m->memory_total = bytes;
+        if (got == 5) snprintf(m->uuid, sizeof m->uuid, "%s", uuid);
+        else snprintf(m->uuid, sizeof m->uuid, "MIG-fa4e%04x-%04x-4000-8000-000000000000", idx, slice);
+        return;
+    }
     if (sscanf(line, " gpu %d %31s %n", &idx, key, &off) >= 2 && idx >= 0 && idx < MAX_GPUS) {
-        gpu_t *g = &gpus[idx];
+        gpu_t *g = touch_gpu(idx);
         char *val = line + off;
-        if (!g->present) {
-            g->present = 1;
-            g->mig = -1;
-            g->nvlink = -1;
-            g->proc_util = 1;
-            snprintf(g->uuid, sizeof g->uuid, "GPU-fa4e0000-0000-4000-8000-%012d", idx);
-            snprintf(g->name, sizeof g->name, "Fake NVIDIA GPU");
-            g->memory_total = 80ULL << 30;
-        }
-        if (idx + 1 > n_gpus) n_gpus = idx + 1;
         if (!strcmp(key, "uuid")) snprintf(g->uuid, sizeof g->uuid, "%s", val);
         else if (!strcmp(key, "name")) snprintf(g->name, sizeof g->name, "%s", val);
         else if (!strcmp(key, "memory_total")) g->memory_total = strtoull(val, NULL, 10);
@@ -153,8 +192,9 @@ static void parse_line(char *line) {
         return;
     }
     proc_t p = {0};
+    p.mig = -1;
     char kind[16] = "compute";
-    int n = sscanf(line, " proc %d %u %llu %15s %u %u", &p.gpu, &p.pid, &p.mem, kind, &p.sm, &p.memutil);
+    int n = sscanf(line, " proc %d %u %llu %15s %u %u %d", &p.gpu, &p.pid, &p.mem, kind, &p.sm, &p.memutil, &p.mig);
     if (n >= 3 && n_procs < MAX_PROCS && p.gpu >= 0 && p.gpu < MAX_GPUS) {
         p.graphics = !strcmp(kind, "graphics");
         procs[n_procs++] = p;
@@ -193,7 +233,8 @@ static gpu_t *enter(nvmlDevice_t dev, nvmlReturn_t *ret) {
         *ret = NVML_ERROR_UNINITIALIZED;
         return NULL;
     }
-    if (!dev || dev->index < 0 || dev->index >= n_gpus || !gpus[dev->index].present) {
+    if (!dev || dev->index < 0 || dev->index >= n_gpus || !gpus[dev->index].present ||
+        (dev->mig >= 0 && (dev->mig >= MAX_MIG || !gpus[dev->index].migs[dev->mig].present))) {
         *ret = NVML_ERROR_INVALID_ARGUMENT;
         return NULL;
     }
@@ -268,6 +309,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     if (!initialized) LEAVE(NVML_ERROR_UNINITIALIZED);
     if (index >= (unsigned int)n_gpus || !gpus[index].present) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     handles[index].index = (int)index;
+    handles[index].mig = -1;
     *device = &handles[index];
     LEAVE(NVML_SUCCESS);
 }
@@ -282,37 +324,50 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t dev, char *uuid, unsigned int length
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    LEAVE(copy_str(g->uuid, uuid, length));
+    LEAVE(copy_str(dev->mig >= 0 ? g->migs[dev->mig].uuid : g->uuid, uuid, length));
 }
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t dev, char *name, unsigned int length) {
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    LEAVE(copy_str(g->name, name, length));
+    if (dev->mig < 0) LEAVE(copy_str(g->name, name, length));
+    char full[160]; /* as the driver names a MIG device: "NVIDIA A100-SXM4-40GB MIG 1g.5gb" */
+    snprintf(full, sizeof full, "%s MIG %s", g->name, g->migs[dev->mig].profile);
+    LEAVE(copy_str(full, name, length));
 }
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t dev, unsigned int *index) {
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
+    if (dev->mig >= 0) LEAVE(NVML_ERROR_NOT_SUPPORTED); /* a MIG device has no index among the GPUs */
     *index = (unsigned int)dev->index;
     LEAVE(NVML_SUCCESS);
 }
 
-static unsigned long long used_bytes(int index) {
-    unsigned long long used = gpus[index].memory_used;
+/* Whether process i runs on this handle's device: a MIG device's own, or any on the physical GPU. */
+static int on_device(int i, nvmlDevice_t dev) {
+    return procs[i].gpu == dev->index && (dev->mig < 0 || procs[i].mig == dev->mig);
+}
+
+static unsigned long long used_bytes(nvmlDevice_t dev) {
+    unsigned long long used = dev->mig < 0 ? gpus[dev->index].memory_used : 0;
     for (int i = 0; i < n_procs; i++)
-        if (procs[i].gpu == index) used += procs[i].mem;
+        if (on_device(i, dev)) used += procs[i].mem;
     return used;
+}
+
+static unsigned long long total_bytes(gpu_t *g, nvmlDevice_t dev) {
+    return dev->mig >= 0 ? g->migs[dev->mig].memory_total : g->memory_total;
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *mem) {
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    mem->total = g->memory_total;
-    mem->used = used_bytes(dev->index);
+    mem->total = total_bytes(g, dev);
+    mem->used = used_bytes(dev);
     mem->free = mem->used < mem->total ? mem->total - mem->used : 0;
     LEAVE(NVML_SUCCESS);
 }
@@ -321,9 +376,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem) 
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    mem->total = g->memory_total;
+    mem->total = total_bytes(g, dev);
     mem->reserved = 0;
-    mem->used = used_bytes(dev->index);
+    mem->used = used_bytes(dev);
     mem->free = mem->used < mem->total ? mem->total - mem->used : 0;
     LEAVE(NVML_SUCCESS);
 }
@@ -332,8 +387,68 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *current, unsig
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    if (g->mig < 0) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    if (g->mig < 0 || dev->mig >= 0) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     *current = *pending = (unsigned int)g->mig;
+    LEAVE(NVML_SUCCESS);
+}
+
+/* --- MIG devices (only while MIG mode is on) ---------------------------------------------- */
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t dev, unsigned int *count) {
+    nvmlReturn_t r;
+    gpu_t *g = enter(dev, &r);
+    if (!g) LEAVE(r);
+    if (g->mig < 0 || dev->mig >= 0) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    *count = MAX_MIG;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t dev, unsigned int index, nvmlDevice_t *mig) {
+    nvmlReturn_t r;
+    gpu_t *g = enter(dev, &r);
+    if (!g) LEAVE(r);
+    if (g->mig < 0 || dev->mig >= 0) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    if (index >= MAX_MIG) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (g->mig != 1 || !g->migs[index].present) LEAVE(NVML_ERROR_NOT_FOUND);
+    mig_handles[dev->index][index].index = dev->index;
+    mig_handles[dev->index][index].mig = (int)index;
+    *mig = &mig_handles[dev->index][index];
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t dev, unsigned int *is_mig) {
+    nvmlReturn_t r;
+    gpu_t *g = enter(dev, &r);
+    if (!g) LEAVE(r);
+    *is_mig = dev->mig >= 0;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mig, nvmlDevice_t *dev) {
+    nvmlReturn_t r;
+    gpu_t *g = enter(mig, &r);
+    if (!g) LEAVE(r);
+    if (mig->mig < 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    handles[mig->index].index = mig->index;
+    handles[mig->index].mig = -1;
+    *dev = &handles[mig->index];
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t dev, unsigned int *id) {
+    nvmlReturn_t r;
+    gpu_t *g = enter(dev, &r);
+    if (!g) LEAVE(r);
+    if (dev->mig < 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *id = (unsigned int)dev->mig + 1;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t dev, unsigned int *id) {
+    nvmlReturn_t r;
+    gpu_t *g = enter(dev, &r);
+    if (!g) LEAVE(r);
+    if (dev->mig < 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *id = 0;
     LEAVE(NVML_SUCCESS);
 }
 
@@ -341,6 +456,7 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev, nvmlUtilization_t *
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
+    if (dev->mig >= 0 || g->mig == 1) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     util->gpu = g->util_gpu;
     util->memory = g->util_mem;
     LEAVE(NVML_SUCCESS);
@@ -352,7 +468,7 @@ static nvmlReturn_t list_procs(nvmlDevice_t dev, unsigned int *count, nvmlProces
     if (!g) LEAVE(r);
     unsigned int n = 0;
     for (int i = 0; i < n_procs; i++)
-        if (procs[i].gpu == dev->index && procs[i].graphics == graphics) n++;
+        if (on_device(i, dev) && procs[i].graphics == graphics) n++;
     if (n == 0) {
         *count = 0;
         LEAVE(NVML_SUCCESS);
@@ -363,11 +479,11 @@ static nvmlReturn_t list_procs(nvmlDevice_t dev, unsigned int *count, nvmlProces
     }
     unsigned int k = 0;
     for (int i = 0; i < n_procs; i++) {
-        if (procs[i].gpu != dev->index || procs[i].graphics != graphics) continue;
+        if (!on_device(i, dev) || procs[i].graphics != graphics) continue;
         infos[k].pid = procs[i].pid;
         infos[k].usedGpuMemory = procs[i].mem;
-        infos[k].gpuInstanceId = 0xFFFFFFFFu;
-        infos[k].computeInstanceId = 0xFFFFFFFFu;
+        infos[k].gpuInstanceId = procs[i].mig >= 0 ? (unsigned int)procs[i].mig + 1 : 0xFFFFFFFFu;
+        infos[k].computeInstanceId = procs[i].mig >= 0 ? 0 : 0xFFFFFFFFu;
         k++;
     }
     *count = k;
@@ -388,7 +504,7 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t dev, nvmlProcessUtiliz
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    if (!g->proc_util) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    if (!g->proc_util || dev->mig >= 0 || g->mig == 1) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     unsigned int n = 0;
     for (int i = 0; i < n_procs; i++)
         if (procs[i].gpu == dev->index) n++;
@@ -419,6 +535,7 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b,
     nvmlReturn_t r;
     gpu_t *ga = enter(a, &r);
     if (!ga) LEAVE(r);
+    if (a->mig >= 0 || (b && b->mig >= 0)) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     if (!b || b->index < 0 || b->index >= n_gpus || !gpus[b->index].present) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     gpu_t *gb = &gpus[b->index];
     if (a->index == b->index) *level = 0;
@@ -432,7 +549,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t dev, unsigned int link, unsig
     nvmlReturn_t r;
     gpu_t *g = enter(dev, &r);
     if (!g) LEAVE(r);
-    if (g->nvlink < 0) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    if (g->nvlink < 0 || dev->mig >= 0) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     if (link >= NVLINKS) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     *active = 1;
     LEAVE(NVML_SUCCESS);
@@ -443,6 +560,7 @@ nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t a, nvmlDevice_t b, int caps, in
     nvmlReturn_t r;
     gpu_t *ga = enter(a, &r);
     if (!ga) LEAVE(r);
+    if (a->mig >= 0 || (b && b->mig >= 0)) LEAVE(NVML_ERROR_NOT_SUPPORTED);
     if (!b || b->index < 0 || b->index >= n_gpus || !gpus[b->index].present) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     gpu_t *gb = &gpus[b->index];
     if (caps == 2) *status = (ga->nvlink >= 0 && ga->nvlink == gb->nvlink) ? 0 : 5;

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from gpulease_protocol.requests import RequestSyntaxError, parse_duration, parse_gpus, parse_size, request_fields
+from gpulease_protocol.requests import (
+    RequestSyntaxError,
+    parse_duration,
+    parse_gpu_type,
+    parse_gpus,
+    parse_size,
+    request_fields,
+)
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
 OK, BAD = True, False
@@ -33,6 +40,14 @@ SIZES: list[tuple[Any, bool]] = [
     (0, OK), (1 << 30, OK),
     ("10Q", BAD), ("-1G", BAD), ("lots", BAD), ("", BAD), ("G", BAD), (-1, BAD), (1.5, BAD), (True, BAD),
 ]
+
+#: GPU types: the syntax (the broker's 4 simulated GPUs are 'Simulated GPU', 80G); None: valid but no such GPU
+TYPES: list[tuple[Any, bool | None]] = [
+    ("Simulated", OK), ("simulated gpu", OK), (" Simulated GPU ", OK), ("", OK), ("H100", None), ("1g.10gb", None),
+    ("NVIDIA H100 80GB HBM3", None), ("-x", BAD), ("a;b", BAD), ("x" * 65, BAD), (5, BAD), (True, BAD), ("H*", BAD),
+]
+GPU_MEMS: list[tuple[Any, bool | None]] = [("40G", OK), ("80G", OK), (1 << 30, OK), ("81G", None), ("lots", BAD),
+                                           (-1, BAD)]
 
 
 def accepted_by_client(parse: Any, value: Any) -> bool:
@@ -89,3 +104,36 @@ def test_sizes(client: BrokerClient, value: Any, valid: bool) -> None:
         else:
             with pytest.raises(RequestSyntaxError, match=repr(value)):
                 request_fields(0.5, mem=value)
+
+
+@pytest.mark.parametrize("value, valid", TYPES, ids=repr)
+def test_gpu_types(client: BrokerClient, value: Any, valid: bool | None) -> None:
+    assert accepted_by_client(parse_gpu_type, value) is (valid is not BAD)
+    try:
+        lease = client.request_lease(1, heartbeat=False, gpu_type=value)
+    except BrokerError as e:
+        assert e.status == 400 and valid is not OK, (value, e.message)
+        if valid is None:  # well formed, but no GPU of it here: the answer names what there is
+            assert e.reason == "no_such_gpu" and "4x Simulated GPU (80G)" in e.message, e.message
+        else:
+            assert e.reason != "no_such_gpu" and repr(value) in e.message, e.message
+        return
+    client.release(lease["id"])
+    assert valid is OK and lease["gpu_type"] == parse_gpu_type(value)
+    again = accepted_by_broker(client, request_fields(1, gpu_type=value))
+    assert again is not None and again["gpu_type"] == lease["gpu_type"]
+
+
+@pytest.mark.parametrize("value, valid", GPU_MEMS, ids=repr)
+def test_gpu_mem(client: BrokerClient, value: Any, valid: bool | None) -> None:
+    assert accepted_by_client(lambda v: parse_size(v, "gpu_mem"), value) is (valid is not BAD)
+    try:
+        lease = client.request_lease(1, heartbeat=False, gpu_mem=value)
+    except BrokerError as e:
+        assert e.status == 400 and valid is not OK, (value, e.message)
+        assert (e.reason == "no_such_gpu") is (valid is None), e.message
+        return
+    client.release(lease["id"])
+    assert valid is OK and lease["gpu_mem"] == parse_size(value)
+    again = accepted_by_broker(client, request_fields(1, gpu_mem=value))
+    assert again is not None and again["gpu_mem"] == lease["gpu_mem"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import FakeNvml, FakeProc
-from nvml_helpers import EventLog, Worker, use_fake_library, use_library, wait_for
+from nvml_helpers import EventLog, Worker, wait_for
 
 from lease_broker.inventory.nvml import NVMLInventory
 
@@ -20,12 +20,8 @@ NVML_ARGS = ["--tick=0.1", "--LeaseBroker.sample_seconds=0.2",
 
 
 @pytest.fixture
-def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNvml]:
-    use_fake_library()
-    state = FakeNvml.standard(tmp_path / "nvml.state", 4)
-    monkeypatch.setenv("FAKE_NVML_STATE", str(state.path))
-    yield state
-    use_library(None)
+def fake(fake_driver) -> FakeNvml:  # type: ignore[no-untyped-def]
+    return fake_driver(4)
 
 
 @pytest.fixture
@@ -36,16 +32,18 @@ def inv(fake: FakeNvml) -> Iterator[NVMLInventory]:
 
 
 # ---------------------------------------------------------------------- the inventory in-process
-def test_devices_come_from_nvml(inv: NVMLInventory, fake: FakeNvml) -> None:
-    fake.gpus[2].mig = 1
+def test_devices_come_from_nvml(inv: NVMLInventory, fake: FakeNvml, caplog: pytest.LogCaptureFixture) -> None:
+    fake.gpus[1].mig = 0  # MIG-capable, MIG mode off: a whole GPU
+    fake.gpus[2].mig = 1  # MIG mode on but no MIG device made: nothing of it to lease
     fake.gpus[3].name = "NVIDIA A100-SXM4-40GB"
     fake.gpus[3].memory_total = 40 << 30
     fake.write()
     gpus = inv.discover()
-    assert [g.id for g in gpus] == [g.uuid for g in fake.gpus]
-    assert [g.index for g in gpus] == [0, 1, 2, 3]
-    assert (gpus[3].name, gpus[3].memory_total) == ("NVIDIA A100-SXM4-40GB", 40 << 30)
-    assert [g.mig for g in gpus] == [False, False, True, False]
+    assert [g.id for g in gpus] == [fake.gpus[i].uuid for i in (0, 1, 3)]
+    assert [g.index for g in gpus] == [0, 1, 3]
+    assert (gpus[2].name, gpus[2].memory_total) == ("NVIDIA A100-SXM4-40GB", 40 << 30)
+    assert not any(g.mig for g in gpus)
+    assert f"GPU {fake.gpus[2].uuid} (index 2, {fake.gpus[2].name}) is in MIG mode without MIG devices" in caplog.text
     assert not any(g.simulated for g in gpus) and {g.node for g in gpus} == {"host"}
     assert inv.describe() == {"kind": "nvml", "simulated": False, "driver_version": "550.54.15-fake"}
 

@@ -87,10 +87,18 @@ FAKE_TORCH = {  # stands in for PyTorch (not installed here; its CUDA half needs
                      "def is_available():\n    return True\n"
                      "def device_count():\n    return 1\n"
                      "def set_per_process_memory_fraction(fraction, device):\n    fractions.append((fraction, device))\n",
+    # stands in for TensorFlow: records the logical device configurations set before its GPUs start
+    "tensorflow/__init__.py": "from . import config\n",
+    "tensorflow/config.py": "limits = []\n"
+                            "class LogicalDeviceConfiguration:\n"
+                            "    def __init__(self, memory_limit):\n        self.memory_limit = memory_limit\n"
+                            "def list_physical_devices(kind):\n    return ['/physical_device:GPU:0'] if kind == 'GPU' else []\n"
+                            "def set_logical_device_configuration(dev, confs):\n"
+                            "    limits.append((dev, [c.memory_limit for c in confs]))\n",
 }
 
 
-def test_the_worker_caps_pytorch_to_its_share(broker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_worker_caps_pytorch_and_tensorflow_to_their_share(broker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     for name, text in FAKE_TORCH.items():
         (tmp_path / "mods" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "mods" / name).write_text(text)
@@ -103,5 +111,10 @@ def test_the_worker_caps_pytorch_to_its_share(broker, tmp_path: Path) -> None:  
         r = k.run("%%gpu 1\nimport os, torch\nprint(torch.cuda.fractions, 'XLA_PYTHON_CLIENT_MEM_FRACTION' in os.environ)")
         assert r.status == "ok", r.outputs
         assert "[] False" in r.stdout  # a whole GPU: no cap
+        r = k.run("%%gpu 0.5 --mem 10G\nimport tensorflow as tf\nprint(tf.config.limits)")
+        assert r.status == "ok", r.outputs
+        assert "[('/physical_device:GPU:0', [10240])]" in r.stdout  # MiB: the lease's memory cap
+        r = k.run("%%gpu 1\nimport tensorflow as tf\nprint(tf.config.limits)")
+        assert r.status == "ok" and "[]" in r.stdout, r.outputs
     finally:
         k.stop()

@@ -1,8 +1,9 @@
 """A hypothesis state machine over the real LeaseManager on a virtual clock and an in-memory store: requests
 (gangs on one node or spread, incremental ranges that grow, shared fractions, three priority classes of which
-one preempts), releases, activity, renewals, ticks, reservations for users and groups and their cancelling,
-under user and group caps and a daily GPU-hour quota. Every step checks the invariants a user relies on: no
-GPU in two exclusive leases; gangs all or nothing; a shared GPU within its shares and memory; quotas and
+one preempts), of a GPU type or memory size on a mixed inventory, releases, activity, renewals, ticks,
+reservations for users and groups and their cancelling, under user and group caps and a daily GPU-hour quota.
+Every step checks the invariants a user relies on: no GPU in two exclusive leases; gangs all or nothing; every
+device of the type and size its lease asked for; a shared GPU within its shares and memory; quotas and
 reservations never violated; the head request's wait bounded. At least 10,000 steps (test_scheduler_machine)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hypothesis.stateful import (
 
 from lease_broker.core.clock import VirtualClock
 from lease_broker.core.errors import LeaseError
+from lease_broker.core.gpufit import fits
 from lease_broker.core.identity import Identity
 from lease_broker.core.lease import HOLDING, LeaseState
 from lease_broker.core.scheduler import schedule
@@ -35,33 +37,39 @@ GRACE = 30.0
 CAP = 4.0
 GROUP_CAP = 4.0
 DAY_QUOTA_U2 = 3.0  # GPU-hours
+H100_CAP_U3 = 1  # H100s u3 may hold at once (a cap per GPU type)
 MAX_WINDOW = 3600.0
 SLACK = 1800.0 + 1
 EPS = 1e-6
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(nodes=st.sampled_from([1, 2]))
-    def start(self, nodes: int) -> None:
+    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]))
+    def start(self, nodes: int | str) -> None:
         self.clock = VirtualClock()
         self.policy = LeasePolicy(
             heartbeat_timeout=1e9, default_idle_timeout_seconds=0, unix_groups=False,
             max_duration_seconds=MAX_DURATION, default_duration_seconds=600, max_gpus_per_user=CAP,
             group_members={"ml": ["u0", "u1"]}, group_quotas={"ml": {"max_gpus": GROUP_CAP}},
-            user_limits={"u2": {"gpu_hours_per_day": DAY_QUOTA_U2}}, preempt_grace_seconds={"high": GRACE},
+            user_limits={"u2": {"gpu_hours_per_day": DAY_QUOTA_U2}, "u3": {"max_gpus": {"H100": H100_CAP_U3}}},
+            preempt_grace_seconds={"high": GRACE},
             max_shares_per_gpu=1.0, max_leases_per_shared_gpu=3, fairshare_half_life_seconds=1800,
         )
-        self.m = LeaseManager(Store(":memory:"), SimulatedInventory(gpus=6, nodes=nodes), self.policy,
-                              clock=self.clock)
+        inventory = SimulatedInventory(cluster=nodes) if isinstance(nodes, str) else SimulatedInventory(gpus=6,
+                                                                                                       nodes=nodes)
+        self.m = LeaseManager(Store(":memory:"), inventory, self.policy, clock=self.clock)
         self.m.restore()
         self.head_since: dict[str, float] = {}
 
     # ------------------------------------------------------------------ rules
     @rule(user=st.sampled_from(USERS), gpus=st.sampled_from(["1", "2", "3", "4", "6", "1-3", "2-4", "0.25", "0.5"]),
           duration=st.sampled_from([60, 300, 900, 1800, 3600]), priority=st.sampled_from(["low", "normal", "high"]),
-          spread=st.booleans())
-    def request(self, user: Identity, gpus: str, duration: int, priority: str, spread: bool) -> None:
-        body: dict[str, object] = {"gpus": gpus, "duration_seconds": duration, "priority": priority}
+          spread=st.booleans(), gpu_type=st.sampled_from(["", "", "", "A100", "H100", "V100"]),
+          gpu_mem=st.sampled_from([0, 0, 0, "40G", "64G"]))
+    def request(self, user: Identity, gpus: str, duration: int, priority: str, spread: bool, gpu_type: str,
+                gpu_mem: int | str) -> None:
+        body: dict[str, object] = {"gpus": gpus, "duration_seconds": duration, "priority": priority,
+                                   "gpu_type": gpu_type, "gpu_mem": gpu_mem}
         if spread:
             body["locality"] = "any"
         try:
@@ -175,6 +183,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert not lease.devices
 
     @invariant()
+    def devices_of_the_type_and_size_asked(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        aliases = self.policy.gpu_type_aliases()
+        for lease in self.holding():
+            for d in lease.devices:
+                assert fits(self.m.gpu_by_id[d], lease.request, aliases), (lease.id, d, lease.request)
+
+    @invariant()
     def quotas_never_violated(self) -> None:
         if not hasattr(self, "m"):
             return
@@ -183,6 +200,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             held[lease.user] = held.get(lease.user, 0.0) + lease.gpu_count
         for user, n in held.items():
             assert n <= CAP + EPS, (user, n)
+        h100 = sum(x.gpu_count / len(x.devices) for x in self.holding() if x.user == "u3" for d in x.devices
+                   if self.m.gpu_by_id[d].name == "H100")  # a share of a GPU counts as its fraction
+        assert h100 <= H100_CAP_U3 + EPS, h100
         assert held.get("u0", 0.0) + held.get("u1", 0.0) <= GROUP_CAP + EPS
         now = self.clock.now()
         cutoff = now - 86400
@@ -258,6 +278,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return True
         if lease.user in ("u0", "u1") and held.get("u0", 0.0) + held.get("u1", 0.0) + need > GROUP_CAP + EPS:
             return True
+        if lease.user == "u3" and lease.request.gpu_type == "H100":  # its own per-type cap
+            h100 = sum(x.gpu_count / len(x.devices) for x in self.holding() if x.user == "u3" for d in x.devices
+                       if self.m.gpu_by_id[d].name == "H100")
+            if h100 + need > H100_CAP_U3 + EPS:
+                return True
         return lease.user == "u2"  # its daily quota may hold it for up to a day
 
     @invariant()
@@ -284,8 +309,8 @@ class DeepQueueMachine(SchedulerMachine):
     """The same machine with thousands of requests queued behind the others (low priority, a shape that waits
     for its user's cap): every invariant holds, and a request that can start still starts in its own event."""
 
-    @initialize(nodes=st.sampled_from([1, 2]))
-    def start(self, nodes: int) -> None:
+    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]))
+    def start(self, nodes: int | str) -> None:
         super().start(nodes)
         for _ in range(DEEP):
             self.m.request(USERS[3], {"gpus": "3", "locality": "any", "priority": "low", "duration_seconds": 3600})

@@ -325,3 +325,18 @@ def test_overload_trace_command_and_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.overload_trace", str(out), "--load", "0"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "load=0.0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_mixed_cluster_replays_on_its_own_nodes(tmp_path, capsys):
+    cluster = Cluster.parse("1x4:A100-40GB, 1x8:H100")
+    assert (str(cluster), cluster.total, cluster.nodes, cluster.gpus_per_node) == ("1x4:A100-40GB,1x8:H100", 12, 2, 8)
+    gpus = cluster.inventory().discover()
+    assert [(g.name, g.memory_total >> 30) for g in gpus] == [("A100-40GB", 40)] * 4 + [("H100", 80)] * 8
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,100,8\nb,10,50,4\nc,20,10,8\n")
+    run = replay(load_trace(bursts), cluster, mode="lease", idle=0)
+    waits = {o.arrival - run.outcomes[0].arrival: o.wait for o in run.outcomes}
+    assert waits == {0: 0, 10: 0, 20: 80}  # the 4-GPU cell fits the A100 node; the second 8 waits for the H100s
+    assert replay_main([str(bursts), "--cluster", "1x4:A100-40GB,1x8:H100", "--idle", "1m"]) == 0
+    assert "1x4:A100-40GB,1x8:H100" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="NODESxGPUS"):
+        Cluster.parse("2x8:")

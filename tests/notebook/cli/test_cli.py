@@ -109,3 +109,19 @@ def test_user_errors_are_one_line_naming_the_option(broker):
 def test_empty_lists_say_so(broker):
     assert gpulease(broker, "leases").stdout.strip() == "No leases."
     assert gpulease(broker, "queue").stdout.strip() == "The queue is empty."
+
+
+def test_request_by_gpu_type_and_memory_on_a_mixed_broker(broker_factory):
+    broker = broker_factory(args=["--tick=0.1", "--SimulatedInventory.cluster=1x2:A100-40GB,1x2:H100"])
+    status = gpulease(broker, "status").stdout
+    assert status.count("A100-40GB [sim]") == 2 and status.count("H100 [sim]") == 2 and "40.0 GiB" in status
+    h100 = json.loads(gpulease(broker, "--json", "request", "2", "--gpu-type", "H100").stdout)
+    assert [d["name"] for d in h100["devices"]] == ["H100", "H100"] and h100["gpu_type"] == "H100"
+    big = gpulease(broker, "request", "1", "--gpu-mem", "64G").stdout  # only the H100s have 80G: it waits
+    assert "queued (position 1)" in big
+    queue = gpulease(broker, "queue").stdout
+    assert "1 >=64.0 GiB" in queue  # what it waits for
+    r = gpulease(broker, "request", "1", "--gpu-type", "V100", check=False)
+    assert r.returncode == 1 and "2x H100 (80G), 2x A100-40GB (40G)" in r.stderr
+    r = gpulease(broker, "request", "1", "--gpu-mem", "-1G", check=False)
+    assert r.returncode == 1 and "Invalid --gpu-mem '-1G'" in r.stderr
