@@ -12,6 +12,7 @@ at once; with the default cache it would keep working for up to that many second
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import textwrap
 from collections.abc import Iterator
@@ -75,6 +76,7 @@ def hub_broker() -> Iterator[tuple[HubProcess, BrokerProcess]]:
     finally:
         broker.stop()
         hub.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _client(broker: BrokerProcess, token: str | None) -> BrokerClient:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,7 @@ def hub_broker() -> Iterator[tuple[HubProcess, BrokerProcess]]:
     finally:
         hub.shutdown()
         broker.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 CELLS = (
