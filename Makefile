@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# JupyterHub's proxy for the tests that start a real Hub (npm; an ignored folder, found by tests/hub_process.py)
+HUB_PROXY := .hub-proxy/node_modules/.bin/configurable-http-proxy
 DEMO_DIR ?= $(CURDIR)/.demo
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -44,7 +46,10 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: $(STAMP) system-deps lint
+$(HUB_PROXY):
+	npm install --silent --no-audit --no-fund --prefix .hub-proxy configurable-http-proxy@5
+
+test: $(STAMP) system-deps $(HUB_PROXY) lint
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -60,4 +65,4 @@ demo: $(STAMP)
 	bash scripts/demo.sh "$(DEMO_DIR)"
 
 clean:
-	rm -rf $(VENV) .demo build dist
+	rm -rf $(VENV) .demo build dist .hub-proxy

@@ -2,7 +2,7 @@
 
 - ``gpulease_protocol.requests``: the syntax of a lease request's GPU count, durations and sizes
   (one set of rules: the broker validates request bodies with them, the client checks what a user typed).
-- ``gpulease_protocol.address``: where a broker listens and where a client looks for one.
+- ``gpulease_protocol.address``: where a broker listens, where a client looks for one, and the token it presents.
 
 Both ``lease_broker`` and ``jupyter_gpulease`` import this package; it imports neither.
 """

@@ -9,6 +9,11 @@ per-user socket: ``$XDG_RUNTIME_DIR/gpulease/broker.sock``, else ``/tmp/gpulease
 So where a broker listens by default and where a client looks differ in one way only: a client prefers a
 running system broker even when the user has a per-user socket (a user's own broker then needs
 ``GPULEASE_BROKER``); and a broker does not read ``GPULEASE_BROKER``.
+
+A client presents ``client_token()`` as ``Authorization: Bearer <token>``: ``GPULEASE_TOKEN`` (a token the broker's
+admin issued), else ``JUPYTERHUB_API_TOKEN`` (which JupyterHub gives every single-user server and its kernels; a
+broker with ``LeaseBroker.identity = 'hub'`` learns the user from the Hub with it, one in 'unix' mode ignores it on
+its Unix socket). So under JupyterHub there is nothing for a user to set up.
 """
 
 from __future__ import annotations
@@ -39,3 +44,13 @@ def broker_url() -> str:
     if os.path.exists(SYSTEM_SOCKET):
         return "unix://" + SYSTEM_SOCKET
     return "unix://" + listen_socket()
+
+
+def client_token() -> str | None:
+    """The token a client presents: ``GPULEASE_TOKEN``, else ``JUPYTERHUB_API_TOKEN``, else None."""
+    return os.environ.get("GPULEASE_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN") or None
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The request headers that present ``token`` (none for no token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}

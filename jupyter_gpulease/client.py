@@ -2,7 +2,8 @@
 
 Synchronous and dependency-free (http.client), so it works in a kernel, a worker,
 a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
-(``unix:///path/to.sock`` or ``http://host:port``), else the default socket
+(``unix:///path/to.sock`` or ``http://host:port``), else the default socket, and
+presents ``GPULEASE_TOKEN`` or, under JupyterHub, ``JUPYTERHUB_API_TOKEN``
 (``gpulease_protocol.address``). A lease comes back as a ``LeaseView``.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpulease_protocol.address import broker_url
+from gpulease_protocol.address import auth_headers, broker_url, client_token
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,7 +133,7 @@ class BrokerClient:
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
         self.url = url or broker_url()
-        self.token = token if token is not None else os.environ.get("GPULEASE_TOKEN")
+        self.token = token if token is not None else client_token()
         self.timeout = timeout
         parsed = urllib.parse.urlparse(self.url)
         if parsed.scheme == "unix":
@@ -168,9 +169,7 @@ class BrokerClient:
             self._local.conn = None
 
     def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
-        headers = {"Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
+        headers = {"Accept": "application/json", **auth_headers(self.token)}
         data = None
         if body is not None:
             data = json.dumps(body).encode()

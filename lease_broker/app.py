@@ -11,13 +11,14 @@ import sys
 from typing import Any
 
 from tornado import ioloop
-from traitlets import Bool, Float, Instance, Integer, List, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Unicode, default
 from traitlets.config import Application, catch_config_error
 
 from gpulease_protocol import address
 
 from . import __version__
-from .api.auth import Authenticator, admin_check
+from .api.auth import MODES, Authenticator, admin_check
+from .api.hub import HubIdentity
 from .core.clock import Clock
 from .core.errors import LeaseError
 from .core.identity import hash_secret, new_token
@@ -69,7 +70,7 @@ class LeaseBroker(Application):
     version = __version__
     description = "Lease GPUs to notebook cells: a broker that queues requests and grants time-limited leases."
     examples = "lease-broker --inventory=simulated --gpus=4\nlease-broker --generate-config"
-    classes = [LeasePolicy, SimulatedInventory, NVMLInventory, Notifier]
+    classes = [LeasePolicy, HubIdentity, SimulatedInventory, NVMLInventory, Notifier]
 
     inventory_name = Unicode(
         "auto",
@@ -87,9 +88,22 @@ class LeaseBroker(Application):
     port = Integer(0, config=True, help="TCP port for bearer-token clients (other nodes). 0 = no TCP listener.")
     ip = Unicode("127.0.0.1", config=True, help="Address of the TCP listener, e.g. '0.0.0.0'.")
     db_path = Unicode(config=True, help="SQLite file of the lease store. ':memory:' keeps nothing (tests only).")
+    identity = CaselessStrEnum(
+        MODES,
+        "unix",
+        config=True,
+        help="What names a caller. 'unix': on the Unix socket the caller's uid (SO_PEERCRED), over TCP a broker "
+        "token (one host with a Unix user per person: TLJH, SystemdSpawner, LocalProcessSpawner). 'hub': a "
+        "JupyterHub token (the $JUPYTERHUB_API_TOKEN that servers and kernels present by themselves) or a broker "
+        "token, never a uid (containers that share uids: DockerSpawner, KubeSpawner; see HubIdentity). "
+        "'unix+hub': a token when one is sent, else the Unix socket's uid.",
+    )
     admin_users = List(Unicode(), config=True, help="User names that act on every lease, e.g. ['alice'].")
-    admin_groups = List(Unicode(), config=True, help="Unix groups whose members are admins, e.g. ['gpuadmin'].")
-    root_is_admin = Bool(True, config=True, help="Whether uid 0 is an admin.")
+    admin_groups = List(
+        Unicode(), config=True,
+        help="Groups whose members are admins: Unix groups, and JupyterHub groups for Hub users. Example: ['gpuadmin'].",
+    )
+    root_is_admin = Bool(True, config=True, help="Whether uid 0 on the Unix socket is an admin (never with identity 'hub').")
     tick_seconds = Float(1.0, config=True, help="Seconds between enforcement ticks (expiry, idleness). Example: 1.")
     sample_seconds = Float(2.0, config=True, help="Seconds between inventory samples (NVML use); 0 = never.")
     request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body.")
@@ -98,6 +112,7 @@ class LeaseBroker(Application):
 
     policy = Instance(LeasePolicy)
     inventory = Instance(Inventory, allow_none=True)
+    hub = Instance(HubIdentity, allow_none=True)
 
     aliases = {
         "inventory": "LeaseBroker.inventory_name",
@@ -111,6 +126,7 @@ class LeaseBroker(Application):
         "log-level": "Application.log_level",
         "heartbeat-timeout": "LeasePolicy.heartbeat_timeout",
         "tick": "LeaseBroker.tick_seconds",
+        "identity": "LeaseBroker.identity",
     }
     flags = {
         "debug": ({"Application": {"log_level": logging.DEBUG}}, "Log at DEBUG level."),
@@ -152,6 +168,9 @@ class LeaseBroker(Application):
             logging.getLogger(name).setLevel(self.log_level)  # type: ignore[arg-type]
             logging.getLogger(name).propagate = False
         self.policy = LeasePolicy(parent=self)
+        if self.identity != "unix":
+            self.hub = HubIdentity(parent=self)
+            self.hub.start()
         self.inventory = self._make_inventory()
 
     def _make_inventory(self) -> Inventory:
@@ -187,7 +206,9 @@ class LeaseBroker(Application):
         finally:
             gc.freeze()
             gc.enable()
-        auth = Authenticator(store, admin_check(set(self.admin_users), set(self.admin_groups), self.root_is_admin))
+        hub = self.hub
+        is_admin = admin_check(set(self.admin_users), set(self.admin_groups), self.root_is_admin)
+        auth = Authenticator(store, is_admin, self.identity, hub, self.policy.learn_groups)
         info = {"version": __version__, "broker": self.name}
         notifier = Notifier(NotifyStore(store), manager.events.subscribe, self.policy.groups_of, parent=self)
         service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout,
@@ -204,9 +225,9 @@ class LeaseBroker(Application):
         service.start()
         gpus = manager.gpus
         self.log.info(
-            "Broker %s serving %d %s GPU(s) on %d node(s) at %s; restored %s; store %s",
+            "Broker %s serving %d %s GPU(s) on %d node(s) at %s; identity %s%s; restored %s; store %s",
             __version__, len(gpus), self.inventory.kind, len({g.node for g in gpus}), ", ".join(where),
-            counts, self.db_path,
+            self.identity, f" (JupyterHub at {hub.api_url})" if hub else "", counts, self.db_path,
         )
         loop = ioloop.IOLoop.current()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -40,6 +40,7 @@ def blocks() -> dict[str, str]:
 
     out = {"magic-usage": magic_usage(), "magic-options": traits_table(GpuMagics)}
     try:
+        from lease_broker.api.hub import HubIdentity
         from lease_broker.app import LeaseBroker
         from lease_broker.notify.notifier import Notifier
         from lease_broker.policy.lease_policy import LeasePolicy
@@ -47,6 +48,7 @@ def blocks() -> dict[str, str]:
         out["policy-options"] = traits_table(LeasePolicy)
         out["broker-options"] = traits_table(LeaseBroker)
         out["notifier-options"] = traits_table(Notifier)
+        out["hub-options"] = traits_table(HubIdentity)
     except ImportError:
         pass
     return out

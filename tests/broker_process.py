@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from jupyter_gpulease.client import BrokerClient
+from jupyter_gpulease.client import BrokerClient, BrokerError
 
 
 class BrokerProcess:
@@ -52,6 +52,9 @@ class BrokerProcess:
                 try:
                     BrokerClient(self.url, timeout=2).info()
                     return self
+                except BrokerError as e:
+                    if e.reason != "unreachable":  # answering, e.g. 401 to no token with identity 'hub'
+                        return self
                 except Exception:
                     pass
             time.sleep(0.02)

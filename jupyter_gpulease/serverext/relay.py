@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import urllib.parse
 from typing import Any
 
 from tornado import httpclient, netutil, websocket
+
+from gpulease_protocol.address import auth_headers, client_token
 
 
 class UnixResolver(netutil.Resolver):
@@ -29,9 +30,6 @@ async def connect_events(broker_url: str, timeout: float = 5.0) -> websocket.Web
         url = "ws://localhost/api/v1/events"
     else:
         url = f"ws://{parsed.hostname or '127.0.0.1'}:{parsed.port or 80}/api/v1/events"
-    headers = {}
-    token = os.environ.get("GPULEASE_TOKEN")
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = auth_headers(client_token())
     request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=timeout, request_timeout=timeout)
     return await websocket.websocket_connect(request, resolver=resolver, ping_interval=20)

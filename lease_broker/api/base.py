@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from tornado import web
@@ -37,10 +38,17 @@ class BaseHandler(web.RequestHandler):
         self.info = info
         self.notifier = notifier
 
-    def prepare(self) -> None:
+    def prepare(self) -> Awaitable[None] | None:
         stream = getattr(self.request.connection, "stream", None)
         sock = getattr(stream, "socket", None)
-        self.who = self.auth.identify(sock, self.request.headers.get("Authorization"))
+        who = self.auth.identify(sock, self.request.headers.get("Authorization"))
+        if isinstance(who, Identity):
+            self.who = who
+            return None
+        return self._identified(who)  # tornado awaits it: the Hub is asked off the request's fast path
+
+    async def _identified(self, asking: Awaitable[Identity]) -> None:
+        self.who = await asking
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "application/json")

@@ -1,4 +1,4 @@
-"""Who is calling: a user name, a uid where known, whether they are an admin."""
+"""Who is calling: a user name, a uid where known, whether they are an admin, groups an identity provider named."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ class Identity:
     uid: int = -1  # -1: not a local user (token over TCP)
     admin: bool = False
     pid: int = 0  # the calling process, when known (Unix socket)
+    groups: tuple[str, ...] = ()  # groups the identity provider (JupyterHub) named; Unix groups are looked up by name
 
 
 def new_token() -> str:

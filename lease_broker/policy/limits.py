@@ -102,13 +102,15 @@ class LimitsPolicy(Configurable):
     group_members = Dict(
         value_trait=List(Unicode()),
         config=True,
-        help="Configured group membership, in addition to Unix groups, e.g. {'ml-team': ['alice', 'bob']}.",
+        help="Configured group membership, in addition to Unix groups and JupyterHub groups (identity 'hub'), "
+        "e.g. {'ml-team': ['alice', 'bob']}.",
     )
     unix_groups = Bool(
         True,
         config=True,
         help="Whether a user's Unix groups (the host's group database) count as their groups for group_limits, "
-        "group_quotas and reservations. Example: False (only group_members).",
+        "group_quotas and reservations. Example: False (only group_members and JupyterHub groups; advisable with "
+        "LeaseBroker.identity='hub', where names are Hub names, not this host's users).",
     )
     preempt_grace_seconds = Dict(
         value_trait=Float(),
@@ -192,11 +194,21 @@ class LimitsPolicy(Configurable):
             answers = self.__dict__["_answer_memo"] = {}
         return answers
 
+    def learn_groups(self, user: str, groups: tuple[str, ...]) -> None:
+        """The groups an identity provider (JupyterHub) reports for ``user`` now: they count beside Unix groups and
+        ``group_members`` from the user's next request on (kept in memory; a restarted broker learns them again as
+        users call)."""
+        learned: dict[str, tuple[str, ...]] = self.__dict__.setdefault("_learned_groups", {})
+        if learned.get(user) != groups:
+            learned[user] = groups
+            self.__dict__.pop("_answer_memo", None)
+
     def groups_of(self, user: str) -> tuple[str, ...]:
         answers = self._answers()
         found: tuple[str, ...] | None = answers.get(("", user))
         if found is None:
             configured = [g for g, members in self.group_members.items() if user in members]
+            configured.extend(self.__dict__.get("_learned_groups", {}).get(user, ()))
             if self.unix_groups:
                 configured.extend(unix_groups(user))
             found = answers[("", user)] = tuple(sorted(set(configured)))

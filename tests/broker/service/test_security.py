@@ -1,5 +1,6 @@
 """Security and bad input against a real broker: a second real Unix user, file permissions,
-secrets in logs, recycled pids, and inputs that must be refused without storing anything."""
+secrets in logs, recycled pids, and inputs that must be refused without storing anything. The same checks between
+two JupyterHub users whose servers share one uid and one socket: test_hub_identity.py."""
 
 from __future__ import annotations
 
