@@ -12,6 +12,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 from collections.abc import Iterator
@@ -33,32 +34,59 @@ def _unix_user(name: str) -> None:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
 
 
-def _not_runnable_by_others() -> str | None:
-    """Why another user could not run this Python (a directory on its path closed to others), or None."""
-    path = Path(os.path.realpath(sys.executable))
+def _closed_to_others(path: Path) -> Path | None:
+    """The first directory on ``path`` that other users cannot enter, or None."""
     for d in path.parents:
         if not os.stat(d).st_mode & 0o001:
-            return (f"other Unix users cannot run this Python ({path}): {d} is closed to them (mode "
-                    f"{oct(os.stat(d).st_mode & 0o777)}); install Python where every user can run it")
+            return d
     return None
+
+
+def _python_for_others(workdir: Path) -> tuple[list[str] | None, str]:
+    """A command that starts a single-user server and that other Unix users can run, or (None, why not).
+
+    This Python may live where other users cannot enter (pyenv under /root, mode 0700). Then a virtualenv of the
+    system's Python of the same version is made in ``workdir``; it sees this environment's packages (and the
+    project, installed editable) through a .pth file, as long as they are where others may read them."""
+    me = Path(os.path.realpath(sys.executable))
+    if _closed_to_others(me) is None:
+        return [str(Path(sys.executable).parent / "jupyterhub-singleuser")], ""
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    site = Path(sysconfig.get_paths()["purelib"])
+    closed = _closed_to_others(site / "x") or _closed_to_others(Path(__file__))
+    if not system.exists() or closed is not None:
+        return None, (f"other Unix users cannot run this Python ({me}: {_closed_to_others(me)} is closed to them), "
+                      f"and {'no ' + str(system) if not system.exists() else str(closed) + ' is closed to them too'}:"
+                      " install Python and the project where every user can read them")
+    venv = workdir / "py"
+    subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
+    theirs = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                  "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    (theirs / "gpulease_tests.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
+    subprocess.run(["chmod", "-R", "a+rX", str(venv)], check=True)
+    return [str(venv / "bin" / "python"), "-m", "jupyterhub.singleuser"], ""
 
 
 @pytest.fixture(scope="module")
 def hub_broker() -> Iterator[tuple[HubProcess, BrokerProcess]]:
     why = hub_missing() or (None if os.geteuid() == 0 else "needs root to create Unix users and spawn as them")
-    why = why or _not_runnable_by_others()
     if why:
+        pytest.skip(why)
+    workdir = Path(tempfile.mkdtemp(prefix="gl-hubu"))
+    os.chmod(workdir, 0o755)
+    singleuser, why = _python_for_others(workdir)
+    if singleuser is None:
+        shutil.rmtree(workdir, ignore_errors=True)
         pytest.skip(why)
     for name in USERS:
         _unix_user(name)
-    workdir = Path(tempfile.mkdtemp(prefix="gl-hubu"))
-    os.chmod(workdir, 0o755)
     broker_dir, hub_dir = workdir / "broker", workdir / "hub"
     broker_dir.mkdir()
     broker = BrokerProcess(broker_dir, gpus=4, socket_path=str(workdir / "b.sock"),
                            args=["--tick=0.1", "--LeasePolicy.max_gpus_per_user=1"])
     hub = HubProcess(hub_dir, config=textwrap.dedent(f"""
         c.JupyterHub.spawner_class = "localprocess"  # each user's server as their own Unix user
+        c.Spawner.cmd = {singleuser!r}
         c.Spawner.environment = {{"GPULEASE_BROKER": {broker.url!r}}}
         """))
     broker.start()
