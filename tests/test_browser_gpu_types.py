@@ -4,8 +4,8 @@ memory (and a MIG slice says so), and the queue says what a request waits for (a
 from __future__ import annotations
 
 import pytest
+from browser_support import card, open_panel, screenshot
 from playwright.sync_api import expect
-from test_browser import ARTIFACTS, card, lab, open_panel, page  # noqa: F401  (fixtures: a real Lab, Chromium)
 
 pytestmark = pytest.mark.browser
 
@@ -15,7 +15,7 @@ def broker(broker_factory):
     return broker_factory(args=["--tick=0.1", "--SimulatedInventory.cluster=1x2:A100-40GB,1x1:H100:80G"])
 
 
-def test_cards_show_type_and_memory_and_the_queue_what_it_waits_for(lab, page, client):  # noqa: F811
+def test_cards_show_type_and_memory_and_the_queue_what_it_waits_for(lab, page, client):
     open_panel(page, lab)
     gpus = client.gpus()["gpus"]
     assert [(g["name"], g["memory_total"] >> 30) for g in gpus] == [("A100-40GB", 40)] * 2 + [("H100", 80)]
@@ -30,8 +30,7 @@ def test_cards_show_type_and_memory_and_the_queue_what_it_waits_for(lab, page, c
     assert waiting["state"] == "queued"
     item = page.locator(f'#gpulease-panel .jp-GpuLease-queueItem[data-lease-id="{waiting["id"]}"]')
     expect(item).to_contain_text("1 GPU, H100, ≥ 64 GiB each, waited")
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "sidebar-gpu-types.png"))
+    screenshot(page, "sidebar-gpu-types.png")
     client.release(held["id"])
     expect(item).to_have_count(0)  # granted on the H100 once it is free
     assert client.lease(waiting["id"])["devices"][0]["name"] == "H100"
