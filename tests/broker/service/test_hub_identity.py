@@ -109,7 +109,7 @@ def test_same_uid_servers_are_told_apart_by_their_hub_tokens(hub_broker) -> None
             from jupyter_gpulease.client import BrokerClient
             c = BrokerClient()
             print("user", c.info()["user"]["name"], "admin", c.info()["user"]["admin"])
-            held = c.request_lease(1, heartbeat=False)
+            held = c.request_lease(1, heartbeat=False, wait=30)  # the cell's lease is released as its worker exits
             print("held", held.id, held.state)
             """))
     assert out["error"] is None, out
@@ -187,6 +187,44 @@ def test_admin_scope_reaches_the_admin_through_her_server(hub_broker) -> None:
                             "print(BrokerClient().info()['user'])")
     assert out["error"] is None, out
     assert "'name': 'carol'" in out["stdout"] and "'admin': True" in out["stdout"], out
+
+
+@pytest.mark.browser
+def test_a_hub_admin_revokes_another_users_lease_from_the_sidebar(hub_broker) -> None:
+    """carol logs in through the Hub in a real Chromium, opens her JupyterLab at /user/carol/lab behind the Hub's
+    proxy, and revokes bob's lease from the sidebar's admin list (her server's token carries the admin scope)."""
+    from browser_support import CHROMIUM, WAIT_MS, screenshot
+    from playwright.sync_api import expect, sync_playwright
+
+    hub, broker = hub_broker
+    bob = _client(broker, hub.token("bob")[0])
+    lease = bob.request_lease(1, heartbeat=False, duration_seconds=600)
+    hub.start_server("carol")
+    expect.set_options(timeout=WAIT_MS)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.set_default_timeout(WAIT_MS)
+        try:
+            page.goto(f"{hub.url}/hub/login?next=/user/carol/lab")
+            page.fill("#username_input", "carol")
+            page.fill("#password_input", "test-password")
+            page.click("#login_submit")
+            page.wait_for_url(f"{hub.url}/user/carol/lab**")
+            page.wait_for_selector("#jupyterlab-splash", state="detached")
+            page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
+            row = page.locator(f'#gpulease-panel [data-section="all-leases"] [data-lease-id="{lease.id}"]')
+            expect(row).to_contain_text(f"bob: {lease.id}")
+            screenshot(page, "hub-admin-sidebar.png")
+            row.get_by_role("button", name=f"Revoke lease {lease.id}").click()
+            dialog = page.locator(".jp-Dialog")
+            dialog.locator("input").fill("maintenance window")
+            dialog.get_by_role("button", name="Revoke").click()
+            expect(row).to_have_count(0)
+        finally:
+            browser.close()
+    ended = bob.lease(lease.id)
+    assert ended.state == "revoked" and "maintenance" in ended.reason
 
 
 # ----------------------------------------------------------------------------- bad tokens
