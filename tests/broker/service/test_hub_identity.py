@@ -227,6 +227,23 @@ def test_a_hub_admin_revokes_another_users_lease_from_the_sidebar(hub_broker) ->
     assert ended.state == "revoked" and "maintenance" in ended.reason
 
 
+def test_unix_plus_hub_takes_a_token_when_sent_else_the_socket_uid(hub_broker, tmp_path) -> None:
+    """identity 'unix+hub' (a host where some callers are Unix users and some are Hub servers): a Hub token names
+    its Hub user; a caller without a token is its Unix uid; a bad token is refused, never taken as the uid."""
+    import pwd
+
+    hub, _ = hub_broker
+    both = BrokerProcess(tmp_path / "both", gpus=2, args=[
+        "--tick=0.1", "--identity=unix+hub", f"--HubIdentity.api_url={hub.api_url}"]).start()
+    try:
+        assert _client(both, hub.token("bob")[0]).info()["user"]["name"] == "bob"
+        me = pwd.getpwuid(os.getuid()).pw_name
+        assert _client(both, None).info()["user"]["name"] == me
+        assert _status(lambda: _client(both, "f" * 32).info()) == 401
+    finally:
+        both.stop()
+
+
 # ----------------------------------------------------------------------------- bad tokens
 def test_no_forged_or_revoked_token_is_refused_with_the_fix(hub_broker) -> None:
     hub, broker = hub_broker
