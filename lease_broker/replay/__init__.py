@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 from .metrics import compare, jain, percentile, summarize
+from .model import Cluster, Run
+from .policy import load_policy
 from .run import replay
-from .sim import Cluster, Run, load_policy
 from .trace import Burst, Session, Trace, TraceError, load_bursts, load_sessions, load_trace, tile
 
 __all__ = [

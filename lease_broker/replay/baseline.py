@@ -9,7 +9,9 @@ from ..core.errors import LeaseError
 from ..core.identity import Identity
 from ..core.lease import Lease
 from ..policy.lease_policy import LeasePolicy
-from .sim import _ARRIVE, _STOP, LINGER_SLACK, OFFSET, Cluster, Outcome, _policy_copy, _Sim
+from .model import Cluster, Outcome
+from .policy import policy_copy
+from .sim import _ARRIVE, _STOP, LINGER_SLACK, OFFSET, _Sim
 from .trace import Burst, Session, Trace, TraceError, derive_sessions
 
 
@@ -19,7 +21,7 @@ class SessionSim(_Sim):
     def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy) -> None:
         sessions = list(trace.sessions) or derive_sessions(trace.bursts)
         longest = max((s.stop - s.start for s in sessions), default=0.0) + LINGER_SLACK
-        policy = _policy_copy(
+        policy = policy_copy(
             policy, max_duration_seconds=max(policy.max_duration_seconds, longest), default_idle_timeout_seconds=0.0
         )
         super().__init__(trace, cluster, policy, "session", 0.0)

@@ -12,9 +12,10 @@ from typing import Any, TextIO
 from ..core.errors import LeaseError
 from ..core.lease import parse_duration
 from .metrics import compare, summarize
+from .model import Cluster
+from .policy import load_policy
 from .report import describe, plot
 from .run import replay
-from .sim import Cluster, load_policy
 from .trace import TraceError, load_trace, tile
 
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .sim import Run
+from .model import Run
 
 
 def percentile(values: Sequence[float], q: float) -> float:

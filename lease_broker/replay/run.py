@@ -8,7 +8,8 @@ import time
 
 from ..policy.lease_policy import LeasePolicy
 from .baseline import SessionSim
-from .sim import Cluster, Progress, Run, _LeaseSim, _Sim
+from .model import Cluster, Progress, Run
+from .sim import _LeaseSim, _Sim
 from .trace import Trace, TraceError, check_fits
 
 

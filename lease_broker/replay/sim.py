@@ -20,138 +20,29 @@ Two modes:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
-import re
 import time
-from collections.abc import Callable
 from typing import Any
-
-from traitlets.config import Config
 
 from ..core.clock import VirtualClock
 from ..core.errors import Forbidden
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
-from ..inventory.simulated import SimulatedInventory, parse_cluster
 from ..manager.manager import LeaseManager
 from ..policy.lease_policy import LeasePolicy
 from ..store.lease_store import Store
-from .trace import Burst, Trace, TraceError
+from .model import Cluster, Outcome, Progress, Run
+from .policy import policy_copy
+from .trace import Burst, Trace
 
 OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
 LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
 
 # event kinds, in the order they run at one instant: ends free GPUs before arrivals ask for them
 _END, _STOP, _DEADLINE, _ARRIVE, _PRESSURE = 0, 1, 2, 3, 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """The replayed cluster: ``nodes`` of ``gpus_per_node``, or mixed groups (``spec``, as
-    ``SimulatedInventory.cluster`` reads it: ``2x8:A100-40GB,1x8:H100``)."""
-
-    nodes: int
-    gpus_per_node: int
-    spec: str = ""
-    total: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.total:
-            object.__setattr__(self, "total", self.nodes * self.gpus_per_node)
-
-    @classmethod
-    def parse(cls, text: str) -> "Cluster":
-        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-        if m:
-            if int(m.group(1)) < 1 or int(m.group(2)) < 1:
-                raise ValueError(f"Invalid cluster {text!r}: give NODESxGPUS_PER_NODE, e.g. 8x8")
-            return cls(int(m.group(1)), int(m.group(2)))
-        groups = parse_cluster(text)  # mixed: 2x8:A100-40GB,1x8:H100
-        return cls(sum(n for n, *_ in groups), max(g for _, g, *_ in groups), ",".join(p.strip() for p in text.split(",")),
-                   sum(n * g for n, g, *_ in groups))
-
-    def inventory(self) -> SimulatedInventory:
-        """The simulated inventory of this cluster's shape."""
-        if self.spec:
-            return SimulatedInventory(cluster=self.spec, node_name="sim-node-0", link_group_size=0)
-        return SimulatedInventory(gpus=self.total, nodes=self.nodes, node_name="sim-node-0", link_group_size=0)
-
-    def __str__(self) -> str:
-        return self.spec or f"{self.nodes}x{self.gpus_per_node}"
-
-
-@dataclasses.dataclass
-class Outcome:
-    """What one GPU burst experienced."""
-
-    owner: str  # user, else session
-    gpus: int
-    duration: float
-    arrival: float  # when the cell asked (trace start, moved by the session's earlier waits)
-    wait: float = 0.0  # time to GPU
-    warm: bool = False  # ran on a lease the session still held
-    first: bool = True  # the session's first GPU burst (no lease to be warm from)
-    granted: bool = False
-
-
-@dataclasses.dataclass
-class Run:
-    """One replay: its outcomes, the leases it made, and integrals over time."""
-
-    mode: str
-    cluster: Cluster
-    idle_timeout: float
-    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
-    leases: list[Lease] = dataclasses.field(default_factory=list)
-    cpu_bursts: int = 0
-    busy_gpu_seconds: float = 0.0
-    gang_block_gpu_seconds: float = 0.0
-    start: float = 0.0
-    end: float = 0.0
-    events: int = 0
-    wall_seconds: float = 0.0
-    renewals_refused: int = 0
-    notes: list[str] = dataclasses.field(default_factory=list)
-    queue_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # queue depth -> virtual seconds at it
-    queue_max: int = 0
-    pass_seconds: list[float] = dataclasses.field(default_factory=list)  # wall time of the passes of each event
-
-
-#: ``progress(mode, done, total)``: called now and then during a replay (work items done of the total).
-Progress = Callable[[str, int, int], None]
 PROGRESS_EVERY = 1000  # events between two progress calls
-
-
-def load_policy(path: str | None) -> LeasePolicy:
-    """The broker's policy from a traitlets python config file (``c.LeasePolicy.x = ...``)."""
-    if not path:
-        return LeasePolicy()
-    from pathlib import Path
-
-    from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
-
-    p = Path(path)
-    try:
-        cfg = PyFileConfigLoader(p.name, path=str(p.parent.resolve())).load_config()
-    except ConfigFileNotFound:
-        raise TraceError(f"{path}: no such config file") from None
-    except Exception as e:  # a config file is python: any error in it is the user's to fix
-        raise TraceError(f"{path}: cannot load the config file: {type(e).__name__}: {e}") from None
-    try:
-        return LeasePolicy(config=cfg)
-    except Exception as e:
-        raise TraceError(f"{path}: invalid policy: {e}") from None
-
-
-def _policy_copy(policy: LeasePolicy, **overrides: Any) -> LeasePolicy:
-    cfg = Config()
-    cfg.LeasePolicy = Config(policy.trait_values(config=True))
-    for k, v in overrides.items():
-        cfg.LeasePolicy[k] = v
-    return LeasePolicy(config=cfg)
 
 
 def _deadline(t: float, delay: float) -> float:
@@ -298,7 +189,7 @@ class _LeaseSim(_Sim):
                 f"LeasePolicy.max_duration_seconds raised from {policy.max_duration_seconds:g} to {longest:g} s "
                 "so the trace's longest burst fits in one lease"
             )
-            policy = _policy_copy(policy, max_duration_seconds=longest)
+            policy = policy_copy(policy, max_duration_seconds=longest)
         super().__init__(trace, cluster, policy, "lease", idle)
         self.run.notes.extend(self.notes)
         self.idle_req = idle
