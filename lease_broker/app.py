@@ -18,7 +18,7 @@ from gpulease_protocol import address
 
 from . import __version__
 from .api.auth import MODES, Authenticator, admin_check
-from .api.hub import HubIdentity
+from .api.hub import HubIdentity, remembering
 from .core.clock import Clock
 from .core.errors import LeaseError
 from .core.identity import hash_secret, new_token
@@ -202,13 +202,16 @@ class LeaseBroker(Application):
         try:
             store = Store(self.db_path)
             manager = LeaseManager(store, self.inventory, self.policy)
+            for user, groups in manager.admin_store.learned_groups().items():  # JupyterHub's, known before calls
+                self.policy.learn_groups(user, groups)
             counts = manager.restore()
         finally:
             gc.freeze()
             gc.enable()
         hub = self.hub
         is_admin = admin_check(set(self.admin_users), set(self.admin_groups), self.root_is_admin)
-        auth = Authenticator(store, is_admin, self.identity, hub, self.policy.learn_groups)
+        auth = Authenticator(store, is_admin, self.identity, hub,
+                             remembering(self.policy.learn_groups, manager.admin_store.remember_groups))
         info = {"version": __version__, "broker": self.name}
         notifier = Notifier(NotifyStore(store), manager.events.subscribe, self.policy.groups_of, parent=self)
         service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout,

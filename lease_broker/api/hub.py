@@ -16,6 +16,8 @@ import dataclasses
 import hashlib
 import logging
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from traitlets import Bool, Float, List, Unicode, default
@@ -182,3 +184,14 @@ class HubIdentity(Configurable):
             fresh, kept = self.cache_seconds, max(self.cache_seconds, self.outage_seconds)
             self._answers = {k: v for k, v in self._answers.items() if now - v[1] < (kept if v[0] else fresh)}
         self._answers[key] = (user, now)
+
+
+def remembering(learn: Callable[[str, tuple[str, ...]], bool],
+                remember: Callable[[str, tuple[str, ...], float], None]) -> Callable[[str, tuple[str, ...]], None]:
+    """The Authenticator's ``learn_groups``: tell the policy a user's Hub groups and, when they changed, store
+    them (a restarted broker then counts a user's group quota before the user calls again)."""
+    def learn_groups(user: str, groups: tuple[str, ...]) -> None:
+        if learn(user, groups):
+            remember(user, groups, time.time())
+
+    return learn_groups

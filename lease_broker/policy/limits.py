@@ -194,14 +194,16 @@ class LimitsPolicy(Configurable):
             answers = self.__dict__["_answer_memo"] = {}
         return answers
 
-    def learn_groups(self, user: str, groups: tuple[str, ...]) -> None:
+    def learn_groups(self, user: str, groups: tuple[str, ...]) -> bool:
         """The groups an identity provider (JupyterHub) reports for ``user`` now: they count beside Unix groups and
-        ``group_members`` from the user's next request on (kept in memory; a restarted broker learns them again as
-        users call)."""
+        ``group_members`` from the user's next request on. Returns whether they changed (the caller stores them,
+        so a restarted broker knows them before the user calls again)."""
         learned: dict[str, tuple[str, ...]] = self.__dict__.setdefault("_learned_groups", {})
-        if learned.get(user) != groups:
-            learned[user] = groups
-            self.__dict__.pop("_answer_memo", None)
+        if learned.get(user) == groups:
+            return False
+        learned[user] = groups
+        self.__dict__.pop("_answer_memo", None)
+        return True
 
     def groups_of(self, user: str) -> tuple[str, ...]:
         answers = self._answers()

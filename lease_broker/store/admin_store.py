@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS preemptions (
     warned_at REAL NOT NULL,
     deadline REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS learned_groups (user TEXT PRIMARY KEY, groups TEXT NOT NULL, at REAL NOT NULL);
 """
 
 
@@ -150,3 +151,12 @@ class AdminStore:
                  "state": r[6], "reason": r[7], "transitions": [(t[0], t[1]) for t in trans]}
             )
         return out
+
+    # --- groups an identity provider reported ---------------------------------------------------
+    def remember_groups(self, user: str, groups: tuple[str, ...], at: float) -> None:
+        """The groups JupyterHub reported for ``user`` (so a restarted broker knows them before the user calls)."""
+        with self.store.batched() as db:
+            db.execute("REPLACE INTO learned_groups VALUES (?,?,?)", (user, json.dumps(list(groups)), at))
+
+    def learned_groups(self) -> dict[str, tuple[str, ...]]:
+        return {u: tuple(json.loads(g)) for u, g in self.db.execute("SELECT user, groups FROM learned_groups")}

@@ -164,6 +164,22 @@ def test_hub_group_quota_holds(hub_broker) -> None:
     bob.release(other.id)
 
 
+def test_hub_groups_are_known_after_a_restart_before_their_users_call(hub_broker) -> None:
+    """The broker stores the Hub groups it learned: after a restart, alice's lease counts for ml-team although
+    alice has not called since, so dave (ml-team) waits."""
+    hub, broker = hub_broker
+    alice, dave = (_client(broker, hub.token(n)[0]) for n in ("alice", "dave"))
+    held = alice.request_lease(1, heartbeat=False)
+    assert held.state == "granted"
+    broker.kill9()
+    broker.start()
+    waiting = dave.request_lease(1, heartbeat=False)
+    assert waiting.state == "queued", waiting.raw
+    alice.release(held.id)
+    assert dave.lease(waiting.id, wait=30).state == "granted"
+    dave.release(waiting.id)
+
+
 def test_hub_admin_scope_makes_a_broker_admin(hub_broker) -> None:
     """carol holds custom:gpulease:admin through a Hub role: she sees and revokes alice's lease; bob cannot."""
     hub, broker = hub_broker
