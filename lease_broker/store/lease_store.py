@@ -17,11 +17,12 @@ from typing import Any
 
 from ..core.errors import Unavailable
 from ..core.lease import TERMINAL, Lease, LeaseRequest, LeaseState
+from ..core.lease_use import LeaseUse
 from .checkpoint import Checkpointer
 
 log = logging.getLogger("lease_broker")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: leases.usage (what each lease used), added to a version 1 store when it opens
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -44,7 +45,8 @@ CREATE TABLE IF NOT EXISTS leases (
     last_heartbeat REAL NOT NULL,
     last_activity REAL NOT NULL,
     pids TEXT NOT NULL DEFAULT '[]',
-    secret_hash TEXT NOT NULL DEFAULT ''
+    secret_hash TEXT NOT NULL DEFAULT '',
+    usage TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle');
 CREATE INDEX IF NOT EXISTS leases_user ON leases(user, created_at);
@@ -80,7 +82,7 @@ CREATE TABLE IF NOT EXISTS tokens (
 
 _COLUMNS = (
     "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
-    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash"
+    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage"
 )
 
 
@@ -105,6 +107,7 @@ def _row(lease: Lease) -> tuple[Any, ...]:
         lease.last_activity,
         json.dumps(lease.pids),
         lease.secret_hash,
+        lease.use.text(),
     )
 
 
@@ -138,10 +141,11 @@ def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
         last_activity=r[16],
         pids=pids,
         secret_hash=r[18],
+        use=LeaseUse.parse(r[19]),
     )
 
 
-_MARKS = ",".join("?" * 19)
+_MARKS = ",".join("?" * 20)
 _HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"
 
 _LIVE_STATES = "(" + ",".join(f"'{s.value}'" for s in LeaseState if s not in TERMINAL) + ")"
@@ -149,6 +153,22 @@ _LIVE_STATES = "(" + ",".join(f"'{s.value}'" for s in LeaseState if s not in TER
 # covers the query and scans every lease ever stored.
 _LIVE = f"SELECT {_COLUMNS} FROM leases WHERE state IN {_LIVE_STATES}"
 assert f"WHERE state IN {_LIVE_STATES}" in _SCHEMA, "the live states and the partial index leases_state differ"
+
+
+def _upgrade(db: sqlite3.Connection, version: int) -> None:
+    """Bring an older store up to SCHEMA_VERSION, additively, in one transaction (an older broker's leases stay
+    as they were; their new columns have their defaults)."""
+    log.info("Lease store schema %d: upgrading to %d", version, SCHEMA_VERSION)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        columns = {r[1] for r in db.execute("PRAGMA table_info(leases)")}
+        if "usage" not in columns:  # 1 -> 2
+            db.execute("ALTER TABLE leases ADD COLUMN usage TEXT NOT NULL DEFAULT ''")
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 class StoreError(Unavailable):
@@ -198,6 +218,8 @@ class Store:
                 raise sqlite3.DatabaseError(
                     f"store schema {row[0]} is newer than this broker understands ({SCHEMA_VERSION}): upgrade the broker"
                 )
+            elif int(row[0]) < SCHEMA_VERSION:
+                _upgrade(self.db, int(row[0]))
         except sqlite3.Error as e:
             raise StoreError(
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
