@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..core.lease import LeaseState
 from ..manager.manager import LeaseManager
@@ -100,7 +101,8 @@ class BrokerCollector(Collector):
             ("gpulease_ended_lease_mean_utilization_percent", "Mean GPU utilisation of leases that ended",
              m.metering.mean_utilization),
         ):
-            yield HistogramMetricFamily(name, text, buckets=hist.buckets(), sum_value=hist.sum)
+            buckets = [(floatToGoString(bound), float(n)) for bound, n in hist.buckets()]
+            yield HistogramMetricFamily(name, text, buckets=buckets, sum_value=hist.sum)
 
 
 def registry_for(manager: LeaseManager, notifier: Notifier | None = None) -> CollectorRegistry:

@@ -43,9 +43,9 @@ class Histogram:
             if value <= bound:
                 self.counts[i] += 1
 
-    def buckets(self) -> list[tuple[str, float]]:
-        return [*((f"{b:g}", float(n)) for b, n in zip(self.bounds, self.counts, strict=True)),
-                ("+Inf", float(self.count))]
+    def buckets(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it), the last bound infinite."""
+        return [*zip(self.bounds, self.counts, strict=True), (float("inf"), self.count)]
 
 
 def measure(lease: Lease, samples: dict[str, GpuSample]) -> tuple[int | None, float | None, str]:
