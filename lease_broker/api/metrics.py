@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -13,6 +13,8 @@ from prometheus_client.utils import floatToGoString
 from ..core.lease import LeaseState
 from ..manager.manager import LeaseManager
 from ..notify.notifier import Notifier
+
+_le: Callable[[float], str] = floatToGoString  # how Prometheus writes a bucket's bound: 1.073741824e+09, +Inf
 
 
 class BrokerCollector(Collector):
@@ -101,7 +103,7 @@ class BrokerCollector(Collector):
             ("gpulease_ended_lease_mean_utilization_percent", "Mean GPU utilisation of leases that ended",
              m.metering.mean_utilization),
         ):
-            buckets = [(floatToGoString(bound), float(n)) for bound, n in hist.buckets()]
+            buckets = [(_le(bound), float(n)) for bound, n in hist.buckets()]
             yield HistogramMetricFamily(name, text, buckets=buckets, sum_value=hist.sum)
 
 
