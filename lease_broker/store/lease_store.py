@@ -19,6 +19,7 @@ from ..core.errors import Unavailable
 from ..core.lease import TERMINAL, Lease, LeaseRequest, LeaseState
 from ..core.lease_use import LeaseUse
 from .checkpoint import Checkpointer
+from .upgrade import upgrade
 
 log = logging.getLogger("lease_broker")
 
@@ -155,22 +156,6 @@ _LIVE = f"SELECT {_COLUMNS} FROM leases WHERE state IN {_LIVE_STATES}"
 assert f"WHERE state IN {_LIVE_STATES}" in _SCHEMA, "the live states and the partial index leases_state differ"
 
 
-def _upgrade(db: sqlite3.Connection, version: int) -> None:
-    """Bring an older store up to SCHEMA_VERSION, additively, in one transaction (an older broker's leases stay
-    as they were; their new columns have their defaults)."""
-    log.info("Lease store schema %d: upgrading to %d", version, SCHEMA_VERSION)
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        columns = {r[1] for r in db.execute("PRAGMA table_info(leases)")}
-        if "usage" not in columns:  # 1 -> 2
-            db.execute("ALTER TABLE leases ADD COLUMN usage TEXT NOT NULL DEFAULT ''")
-        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-
-
 class StoreError(Unavailable):
     reason = "store_unavailable"
 
@@ -219,7 +204,7 @@ class Store:
                     f"store schema {row[0]} is newer than this broker understands ({SCHEMA_VERSION}): upgrade the broker"
                 )
             elif int(row[0]) < SCHEMA_VERSION:
-                _upgrade(self.db, int(row[0]))
+                upgrade(self.db, int(row[0]), SCHEMA_VERSION)
         except sqlite3.Error as e:
             raise StoreError(
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
