@@ -62,6 +62,7 @@ class LeaseView(Mapping[str, Any]):
     secret: str | None = None  # only in the answer to the request that created it
     preempting: dict[str, Any] | None = None  # a higher priority class takes the GPUs: {by_class, deadline}
     preempted_by: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None  # what it used: peak_memory, held_memory, mean/peak_utilization, source
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod

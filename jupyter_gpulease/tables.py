@@ -105,6 +105,7 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
         rows.append(["ended", when(lease.ended_at) + held])
     rows.append(["time limit", fmt_duration(lease.duration_seconds) if lease.duration_seconds else "-"])
     rows.append(["idle timeout", fmt_duration(lease.idle_timeout_seconds) if lease.idle_timeout_seconds else "-"])
+    rows += usage_rows(lease.usage)
     if lease.labels:
         rows.append(["labels", ", ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))])
     width = max(len(r[0]) for r in rows)
@@ -115,6 +116,36 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
                  h.get("reason") or ""] for h in history]
         lines += ["", table(["TIME", "AFTER", "TRANSITION", "REASON"], hist)]
     return "\n".join(lines)
+
+
+def usage_rows(usage: Mapping[str, Any] | None) -> list[list[Any]]:
+    """``gpulease show``'s lines of what a lease used (none before it was granted)."""
+    if not usage:
+        return []
+    source = f" ({usage['source']} figures)" if usage.get("source") == "device" else ""
+    held = f" of {fmt_bytes(usage['held_memory'])} held" if usage.get("held_memory") else ""
+    memory = (f"peak {fmt_bytes(usage['peak_memory'])}{held}" if usage.get("peak_memory") is not None
+              else "not measured yet")
+    mean = usage.get("mean_utilization")
+    util = (f"mean {mean:.0f}%, peak {usage['peak_utilization']:.0f}%" if mean is not None
+            else "not measured" + (" (a MIG slice has no counter)" if usage.get("samples") else " yet"))
+    return [["gpu memory", memory + source], ["gpu util", util]]
+
+
+def usage_csv(rows: list[Mapping[str, Any]], by: str) -> str:
+    """The usage report as CSV for chargeback: one row per user, group, label value or notebook."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow([by, "gpu_hours_held", "gpu_hours_busy", "leases", "revocations", "preempted", "peak_memory_bytes",
+                "mean_utilization_percent"])
+    for r in rows:
+        w.writerow([r["key"], f"{r['gpu_hours_held']:.4f}", f"{r['gpu_hours_busy']:.4f}", r["leases"],
+                    r["revocations"], r["preempted"], "" if r["peak_memory"] is None else r["peak_memory"],
+                    "" if r["mean_utilization"] is None else f"{r['mean_utilization']:.2f}"])
+    return out.getvalue().rstrip("\n")
 
 
 def _gpu_state(g: dict[str, Any]) -> str:

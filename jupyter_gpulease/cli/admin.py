@@ -7,7 +7,7 @@
     gpulease admin reserve create 2 --user alice --start +1h --time 2h
     gpulease admin reserve list [--all]
     gpulease admin reserve cancel RESERVATION_ID
-    gpulease admin usage --since 7d
+    gpulease admin usage --since 30d --by user|group|label|notebook [--label KEY] [--csv]
 
 The broker decides who may do what: policy changes and revocations are for admins; users may reserve GPUs
 for themselves within policy (``user_reservation_max_gpus``) and see their own usage.
@@ -23,7 +23,7 @@ import urllib.parse
 from typing import Any
 
 from ..client import BrokerClient
-from ..tables import local_time, reservations_table, table
+from ..tables import fmt_bytes, local_time, reservations_table, table, usage_csv
 
 
 def _value(text: str) -> Any:
@@ -143,18 +143,25 @@ def _reserve(c: BrokerClient, args: argparse.Namespace) -> Any:
 
 
 def _usage(c: BrokerClient, args: argparse.Namespace) -> Any:
-    out = c.request("GET", "/api/v1/usage?since=" + urllib.parse.quote(args.since))
+    query = {"since": args.since, "by": args.by, **({"label": args.label} if args.label else {})}
+    out = c.request("GET", "/api/v1/usage?" + urllib.parse.urlencode(query))
     if args.json:
         return out
+    if args.csv:
+        return usage_csv(out["rows"], args.label if args.by == "label" else args.by)
     rows = []
-    for u in out["users"]:
+    for u in out["rows"]:
         held, busy = u["gpu_hours_held"], u["gpu_hours_busy"]
-        rows.append([u["user"], f"{held:.2f}", f"{busy:.2f}", f"{100 * busy / held:.0f}%" if held else "-",
-                     u["leases"], u["revocations"], u["preempted"]])
+        mean = u["mean_utilization"]
+        rows.append([u["key"] or "-", f"{held:.2f}", f"{busy:.2f}", f"{100 * busy / held:.0f}%" if held else "-",
+                     fmt_bytes(u["peak_memory"]) if u["peak_memory"] is not None else "-",
+                     f"{mean:.0f}%" if mean is not None else "-", u["leases"], u["revocations"], u["preempted"]])
     head = f"GPU use since {local_time(out['since'])}"
     if not rows:
         return head + ": none."
-    return head + "\n" + table(["USER", "GPU-H HELD", "GPU-H BUSY", "BUSY", "LEASES", "REVOKED", "PREEMPTED"], rows)
+    what = (args.label if args.by == "label" else args.by).upper()
+    return head + "\n" + table([what, "GPU-H HELD", "GPU-H BUSY", "BUSY", "PEAK MEM", "MEAN UTIL", "LEASES",
+                                "REVOKED", "PREEMPTED"], rows)
 
 
 def add_parser(sub: Any) -> None:
@@ -191,8 +198,14 @@ def add_parser(sub: Any) -> None:
     ls.add_argument("--all", action="store_true", help="cancelled ones too")
     cn = rsub.add_parser("cancel", help="cancel a reservation")
     cn.add_argument("reservation_id")
-    us = asub.add_parser("usage", help="per user: GPU-hours held and busy, leases, revocations")
-    us.add_argument("--since", default="7d", help="how far back, e.g. 24h, 7d (default 7d)")
+    us = asub.add_parser("usage", help="per user, group, label or notebook: GPU-hours held and busy, peak memory, "
+                         "utilisation, leases, revocations (--csv for chargeback)")
+    us.add_argument("--since", default="7d", help="how far back, e.g. 24h, 7d, 30d (default 7d)")
+    us.add_argument("--by", choices=["user", "group", "label", "notebook"], default="user",
+                    help="one row per user (default), group (a lease counts in each of its user's groups), value of "
+                    "the label --label, or notebook")
+    us.add_argument("--label", default="", help="with --by label: the label key, e.g. project")
+    us.add_argument("--csv", action="store_true", help="CSV for a spreadsheet or a chargeback script")
 
 
 def run(c: BrokerClient, args: argparse.Namespace) -> Any:

@@ -126,14 +126,16 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
             release_quietly(client, lease.id, "cancelled")
 
 
-def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released") -> None:
+def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released") -> LeaseView | None:
+    """Release a lease; its final view (None if the broker did not answer with one)."""
     try:
-        client.release(lease_id, reason)
+        return client.release(lease_id, reason)
     except BrokerError as e:
         if e.status not in (404, 409):  # already gone: fine
             print(f"gpulease: could not release lease {lease_id}: {e}", file=sys.stderr)
     except Exception as e:  # the broker is away: it revokes the lease when our heartbeats stop
         print(f"gpulease: could not release lease {lease_id}: {e}", file=sys.stderr)
+    return None
 
 
 class Heartbeater:

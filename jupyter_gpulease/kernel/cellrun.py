@@ -69,6 +69,7 @@ class Outcome:
     queued: float = 0.0
     exit_status: int | None = None
     artifacts: str = ""
+    usage: dict[str, Any] | None = None  # the lease's figures when the result came (shared leases: the --mem hint)
 
 
 def lease_env(lease: LeaseView, artifacts: ArtifactDir) -> dict[str, str]:
@@ -170,6 +171,12 @@ class LeaseRun:
             return f"an admin revoked the lease ({reason[6:]})"
         return f"the lease was {state} ({reason})"
 
+    def _view(self) -> LeaseView | None:
+        try:
+            return self.client.lease(self.lease.id)
+        except Exception:
+            return None
+
     def stopped_by(self) -> str:
         """For a worker that died because its owner released the lease (``gpulease release``, the sidebar,
         ``%gpu release``) while the cell ran: one line saying who and how; else ''. (An admin's revocation stays
@@ -241,6 +248,8 @@ class LeaseRun:
                 raise
             self.status = "ok" if result["status"] == "ok" else "error"
             outcome.wall = time.monotonic() - t0
+            if self.lease.fraction < 1 or self.lease.mem_bytes:  # a shared GPU: the --mem hint needs its figures
+                outcome.usage = (self._view() or self.lease).usage
             if single_use:
                 self._reap(worker, release)
                 reaped = True
@@ -312,7 +321,7 @@ class LeaseRun:
                     pass
             status, self.status = self.status, "ended"
         self.heartbeater.remove(self.lease.id)
-        release_quietly(self.client, self.lease.id, reason)
+        final = release_quietly(self.client, self.lease.id, reason) or self._view()
         meta = {
             "lease_id": self.lease.id,
             "user": self.lease.user,
@@ -328,6 +337,7 @@ class LeaseRun:
             "error": self.error,
             "exit_status": self.exit_status,
             "code_sha256": self.code_hashes,
+            "usage": final.usage if final is not None else None,  # peak GPU memory, mean/peak utilisation
         }
         try:
             self.artifacts.finish(meta)
@@ -347,4 +357,19 @@ def summary_line(outcome: Outcome, failed: str = "") -> str:
     sim = " (simulated)" if lease.simulated else ""
     ran = f"failed ({failed}) after {fmt_duration(outcome.wall)}" if failed else f"ran {fmt_duration(outcome.wall)}"
     return (f"gpulease: lease {lease.id} · {n} [{what}]{sim} · {ran} · "
-            f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}")
+            f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}") + memory_hint(outcome)
+
+
+def memory_hint(outcome: Outcome) -> str:
+    """A second line when a cell on a shared GPU used far less memory than it held (under a quarter, and at least
+    1 GiB less): the ``--mem`` that would leave the rest to others. '' otherwise."""
+    from ..tables import fmt_bytes
+
+    u = outcome.usage or {}
+    peak, held = u.get("peak_memory"), u.get("held_memory") or 0
+    if peak is None or not held or peak * 4 > held or held - peak < 1 << 30:
+        return ""
+    suggest = max(1, -(-int(peak * 1.5) // (1 << 30)))  # GiB, rounded up, with room to grow
+    sim = " (simulated figures)" if outcome.lease.simulated else ""
+    return (f"\ngpulease: this cell used at most {fmt_bytes(peak)} of the {fmt_bytes(held)} of GPU memory it held on "
+            f"a shared GPU{sim}: --mem {suggest}G would leave the rest to others")

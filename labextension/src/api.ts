@@ -118,6 +118,18 @@ export interface ILease {
   max_gpus: number;
   fraction: number;
   labels: Record<string, string>;
+  /** What it used (from the broker's samples; null before it was granted). */
+  usage?: ILeaseUsage | null;
+}
+
+/** A lease's usage figures: bytes and percent; null where not measured. */
+export interface ILeaseUsage {
+  samples: number;
+  peak_memory: number | null;
+  held_memory: number;
+  mean_utilization: number | null;
+  peak_utilization: number | null;
+  source: 'process' | 'device' | null;
 }
 
 export interface IQueueEntry {

@@ -1,6 +1,6 @@
 /** The GPU cards of the sidebar: what a GPU is doing and for whom, with a live chart of the last minutes. */
 
-import { IGpu } from './api';
+import { IGpu, ILeaseUsage } from './api';
 import { gpuChart } from './chart';
 import { formatBytes, formatDuration, h } from './format';
 import { gpuKind } from './gputype';
@@ -86,4 +86,14 @@ function figures(g: IGpu): HTMLElement {
 function chart(model: GpuLeaseModel, g: IGpu): SVGElement {
   const history = model.history;
   return gpuChart(history.points(g.id), model.now(), history.seconds, `GPU ${g.index} utilisation and memory`);
+}
+
+/** 'peak 3.2 GiB of 40 GiB · util 62% (peak 94%)': what a lease used so far, for its card; '' before a sample. */
+export function leaseUsage(u: ILeaseUsage | null | undefined): string {
+  if (!u || u.peak_memory === null) {
+    return '';
+  }
+  const held = u.held_memory ? ` of ${formatBytes(u.held_memory)}` : '';
+  const util = u.mean_utilization === null ? '' : ` · util ${Math.round(u.mean_utilization)}% (peak ${Math.round(u.peak_utilization ?? 0)}%)`;
+  return `peak ${formatBytes(u.peak_memory)}${held}${util}`;
 }

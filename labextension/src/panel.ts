@@ -3,7 +3,7 @@ import { Widget } from '@lumino/widgets';
 
 import { cancelRequest, extendLease, releaseLease, revokeLease } from './actions';
 import { IArtifact, ILease, IQueueEntry } from './api';
-import { gpuCard, updateCardSample } from './cards';
+import { gpuCard, leaseUsage, updateCardSample } from './cards';
 import { counter, h, tickCounters } from './format';
 import { GpuLeaseModel } from './model';
 import { wants } from './gputype';
@@ -159,6 +159,9 @@ export class GpuLeasePanel extends Widget {
       { class: 'jp-GpuLease-lease', 'data-lease-id': l.id, 'data-state': l.state },
       h('div', { class: 'jp-GpuLease-leaseTitle' }, `${admin ? `${l.user}: ` : ''}${l.id}`, gpus ? ` (GPU ${gpus})` : ''),
       h('div', { class: 'jp-GpuLease-leaseState' }, parts.flatMap((p, i) => (i ? [' · ', ...p] : p))),
+      leaseUsage(l.usage)
+        ? h('div', { class: 'jp-GpuLease-leaseUsage', title: 'GPU memory and utilisation this lease used (peak memory of what it held; mean utilisation)' }, leaseUsage(l.usage))
+        : null,
       h(
         'div',
         { class: 'jp-GpuLease-actions' },

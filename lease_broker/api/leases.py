@@ -69,8 +69,9 @@ class LeaseActionHandler(BaseHandler):
 
 class HistoryHandler(BaseHandler):
     async def get(self, lease_id: str) -> None:
-        self.manager.lookup(lease_id, self.who)
-        await self.reply({"lease_id": lease_id, "transitions": self.manager.store.history(lease_id)})
+        lease = self.manager.lookup(lease_id, self.who)
+        await self.reply({"lease_id": lease_id, "transitions": self.manager.store.history(lease_id),
+                          "usage": self.view(lease)["usage"]})
 
 
 def routes(prefix: str) -> Routes:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..core.lease import LeaseState
 from ..manager.manager import LeaseManager
 from ..notify.notifier import Notifier
+
+_le: Callable[[float], str] = floatToGoString  # how Prometheus writes a bucket's bound: 1.073741824e+09, +Inf
 
 
 class BrokerCollector(Collector):
@@ -65,6 +68,7 @@ class BrokerCollector(Collector):
             if s is not None:
                 util.add_metric([g.id, str(g.index)], s.utilization)
         yield util
+        yield from self._usage()
         yield CounterMetricFamily("gpulease_store_commits", "Group commits of the lease store (one per event-loop "
                                   "iteration that changed leases)", value=m.group.groups)
         yield CounterMetricFamily("gpulease_store_writes", "Lease writes stored (in group commits)",
@@ -76,6 +80,31 @@ class BrokerCollector(Collector):
             sent.add_metric([channel, result], n)
         yield sent
         yield GaugeMetricFamily("gpulease_event_subscribers", "Open event streams", value=m.events.subscriber_count)
+
+
+    def _usage(self) -> Iterator[Any]:
+        """What leases use: a gauge per holding lease (as many series as leases hold GPUs: bounded by the GPUs and
+        their shares), histograms of the ended leases' figures (since the broker started)."""
+        m = self.m
+        peak = GaugeMetricFamily("gpulease_lease_peak_memory_bytes", "Peak GPU memory of each holding lease so far",
+                                 labels=["lease", "user"])
+        mean = GaugeMetricFamily("gpulease_lease_mean_utilization_percent",
+                                 "Mean GPU utilisation of each holding lease so far", labels=["lease", "user"])
+        for lease in m.state.holding():
+            if lease.use.samples:
+                peak.add_metric([lease.id, lease.user], lease.use.peak_memory)
+            if lease.use.util_mean is not None:
+                mean.add_metric([lease.id, lease.user], lease.use.util_mean)
+        yield peak
+        yield mean
+        for name, text, hist in (
+            ("gpulease_ended_lease_peak_memory_bytes", "Peak GPU memory of leases that ended",
+             m.metering.peak_memory),
+            ("gpulease_ended_lease_mean_utilization_percent", "Mean GPU utilisation of leases that ended",
+             m.metering.mean_utilization),
+        ):
+            buckets = [(_le(bound), float(n)) for bound, n in hist.buckets()]
+            yield HistogramMetricFamily(name, text, buckets=buckets, sum_value=hist.sum)
 
 
 def registry_for(manager: LeaseManager, notifier: Notifier | None = None) -> CollectorRegistry:

@@ -10,7 +10,8 @@ revoked with reason ``over_memory_cap`` (its processes are stopped) and the hold
 
 from __future__ import annotations
 
-from .lease import LeaseRequest
+from .gpu import GPU
+from .lease import Lease, LeaseRequest
 
 
 def memory_cap(req: LeaseRequest, memory_total: int) -> int:
@@ -30,3 +31,11 @@ def shared_env(req: LeaseRequest, memory_total: int, mps: bool) -> dict[str, str
         if cap:
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, cap >> 20)}M"
     return env
+
+
+def held_memory(lease: Lease, gpus: dict[str, GPU]) -> int:
+    """Bytes of GPU memory a lease held: its cap on a shared GPU, else its devices' memory."""
+    devices = [gpus[d] for d in lease.devices if d in gpus]
+    if lease.request.shared:
+        return memory_cap(lease.request, devices[0].memory_total) if devices else lease.request.mem_bytes
+    return sum(g.memory_total for g in devices)

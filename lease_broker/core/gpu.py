@@ -28,3 +28,5 @@ class GpuSample:
     utilization: float = 0.0  # percent
     pids: dict[int, int] = dataclasses.field(default_factory=dict)  # pid -> bytes used
     healthy: bool = True
+    proc_util: dict[int, float] | None = None  # pid -> SM utilisation percent; None: no per-process counters
+    utilization_known: bool = True  # False: the device has no utilisation counter (a MIG slice)

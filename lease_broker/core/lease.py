@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from gpulease_protocol import requests
 
 from .errors import BadRequest, InvalidTransition
+from .lease_use import NO_USE, LeaseUse
 
 
 class LeaseState(str, enum.Enum):
@@ -208,6 +209,7 @@ class Lease:
     last_activity: float = 0.0
     pids: list[int] = dataclasses.field(default_factory=list)
     secret_hash: str = ""
+    use: LeaseUse = NO_USE  # what it used (from the inventory's samples while it held GPUs)
 
     @property
     def gpu_count(self) -> float:
@@ -217,7 +219,7 @@ class Lease:
 
 
 #: Fields of a lease that only the broker's memory keeps between transitions (not written on their own).
-_SOFT = ("last_activity", "last_heartbeat")
+_SOFT = ("last_activity", "last_heartbeat", "use")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,12 +240,13 @@ class Change:
     duration_seconds: float | None = None
     last_activity: float | None = None
     last_heartbeat: float | None = None
+    use: LeaseUse | None = None
     attach: tuple[int, int] | None = None
     event: str = ""
 
     @property
     def stored(self) -> bool:
-        """Whether the store must write the lease's row (anything beyond activity and heartbeat times)."""
+        """Whether the store must write the lease's row (anything beyond activity, heartbeat times and usage)."""
         return self.state is not None or any(
             getattr(self, f.name) is not None for f in _FIELDS if f.name not in _SOFT)
 

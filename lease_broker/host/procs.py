@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,42 @@ def proc_info(pid: int) -> ProcInfo | None:
         start_ticks=int(rest[19]),
         cpu_ticks=int(rest[11]) + int(rest[12]) + int(rest[13]) + int(rest[14]),
     )
+
+
+def tree_usage(roots: list[int]) -> dict[int, tuple[int, int, int]]:
+    """The processes ``roots`` and their descendants: pid -> (resident bytes, CPU ticks, start ticks). One scan of
+    ``/proc``."""
+    table: dict[int, tuple[int, int, int, int]] = {}  # pid -> (ppid, rss, cpu, start)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2 :].split()
+        if rest[0] in ("Z", "X"):
+            continue
+        cpu = int(rest[11]) + int(rest[12])  # the process's own user and system time, not its waited-for children
+        table[int(name)] = (int(rest[1]), int(rest[21]) * _PAGE, cpu, int(rest[19]))
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    out: dict[int, tuple[int, int, int]] = {}
+    todo = [r for r in roots if r in table]
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out[pid] = table[pid][1:]
+            todo.extend(kids.get(pid, ()))
+    return out
+
+
+def uptime_ticks() -> float:
+    """Clock ticks since the host booted (a process's start ticks count from then)."""
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) * _CLK_TCK
 
 
 def is_descendant(pid: int, ancestor: int, max_depth: int = 64) -> bool:

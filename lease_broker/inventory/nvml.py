@@ -277,7 +277,9 @@ class NVMLInventory(Inventory):
                 while dev.history and dev.history[0].at < horizon:
                     dev.history.popleft()
             out[dev.gpu.id] = GpuSample(memory_used=int(mem.used), utilization=float(rates.gpu), pids=pids,
-                                        healthy=True)
+                                        healthy=True, utilization_known=not dev.gpu.mig,
+                                        proc_util={p: u[0] for p, u in proc_util.items()} if proc_util is not None
+                                        else None)
         return out
 
     def _proc_util(self, dev: _Device) -> dict[int, tuple[float, float]] | None:

@@ -9,15 +9,22 @@ with real GPUs.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
-from traitlets import Integer, Unicode, validate
+from traitlets import Bool, Integer, Unicode, validate
 
 from ..core.gpu import GPU, GpuSample
-from ..core.lease import parse_size
+from ..core.lease import HOLDING, Lease, parse_size
+from ..host.procs import tree_usage, uptime_ticks
 from . import Inventory
+from .changes import InventoryChange
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 _NAMESPACE = uuid.UUID("6b1f9e0c-3f5e-4c27-9c1e-5a0f5e0d1a11")
 _NAMESPACE_BYTES = _NAMESPACE.bytes  # a property that builds the bytes at every call
@@ -83,6 +90,15 @@ class SimulatedInventory(Inventory):
         "gangs prefer GPUs of one group. 0 = all GPUs of a node in one group.",
     )
 
+    simulate_usage = Bool(
+        True,
+        config=True,
+        help="Simulate what leases use, so their usage figures, memory caps and the GPU views have something to "
+        "show: the resident memory (RSS) of a lease's processes and their descendants counts as their GPU memory, "
+        "their CPU use (percent of one core, at most 100) as their GPU utilisation, spread evenly over the lease's "
+        "GPUs. False = every sample is empty (nothing runs on a simulated GPU).",
+    )
+
     @validate("gpus")
     def _valid_gpus(self, proposal: dict[str, Any]) -> int:
         if not 1 <= proposal["value"] <= 100_000:
@@ -134,8 +150,45 @@ class SimulatedInventory(Inventory):
                                      "mig": False, "parent": ""}))
         return out
 
+    _holding: list[tuple[tuple[str, ...], tuple[int, ...]]] = []  # (devices, pids) of leases with processes
+    _cpu_seen: dict[int, tuple[int, int, float]] = {}  # pid -> (start ticks, CPU ticks, monotonic time)
+
+    def reconcile(self, leases: Mapping[str, Lease], now: float) -> list[InventoryChange]:
+        """Note the holding leases' devices and processes for the next sample (which runs in a thread)."""
+        if self.simulate_usage:
+            self._holding = [(tuple(lease.devices), tuple(lease.pids)) for lease in leases.values()
+                             if lease.pids and lease.devices and lease.state in HOLDING]
+        return []
+
     def sample(self) -> dict[str, GpuSample]:
-        """Nothing runs on a simulated GPU: every device reports an empty sample."""
+        """Empty samples, except where leases' processes run (``simulate_usage``): their memory and CPU use."""
         if self._ids is None:
             self._ids = [g.id for g in self.discover()]
-        return {gpu_id: GpuSample() for gpu_id in self._ids}
+        if not self.simulate_usage:
+            return {gpu_id: GpuSample() for gpu_id in self._ids}
+        out = {gpu_id: GpuSample(proc_util={}) for gpu_id in self._ids}  # per-process figures: of leases only
+        holding = self._holding
+        if not holding:
+            self._cpu_seen = {}
+            return out
+        now, seen = time.monotonic(), {}
+        up = uptime_ticks()
+        for devices, roots in holding:
+            for pid, (rss, cpu, start) in tree_usage(list(roots)).items():
+                last = self._cpu_seen.get(pid)
+                if last is not None and last[0] == start and now > last[2]:
+                    percent = (cpu - last[1]) / _CLK_TCK / (now - last[2]) * 100
+                else:  # first seen: its mean since it started
+                    percent = cpu / max(1.0, up - start) * 100
+                seen[pid] = (start, cpu, now)
+                for gpu_id in devices:
+                    s = out.get(gpu_id)
+                    if s is None:
+                        continue
+                    share = rss // len(devices)
+                    s.pids[pid] = share
+                    s.proc_util = {**(s.proc_util or {}), pid: min(100.0, max(0.0, percent))}
+                    s.memory_used += share
+                    s.utilization = min(100.0, sum(s.proc_util.values()))
+        self._cpu_seen = seen
+        return out

@@ -29,6 +29,7 @@ from ..core.lease import (
     reason_slug,
     renewal_seconds,
 )
+from ..core.lease_use import LeaseUse
 from ..core.scheduler import Pending, schedule
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
@@ -40,6 +41,7 @@ from .engine import EngineLink
 from .events import EventBus
 from .gpu_summary import GpuSummary
 from .iteration import Iteration
+from .metering import Metering
 from .planning import Planning
 from .policy_admin import PolicyAdmin
 from .preemption import Preemption
@@ -74,6 +76,7 @@ class LeaseManager:
         self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
         self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption)
         self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
+        self.metering = Metering(self.state, self)  # what each lease used, from the samples
         self.transitions_total: dict[tuple[str, str], int] = {}
         self._seq = store.next_seq()
         self.access, self.waiters = LeaseAccess(self.state, store), Waiters()
@@ -102,6 +105,7 @@ class LeaseManager:
     def samples(self, samples: dict[str, GpuSample]) -> None:
         self.state.samples = samples
         self.gpu_summary.sampled(samples, self.state.gpu_by_id)
+        self.metering.sampled(samples)
 
     def view(self, lease: Lease, who: Identity | None = None) -> dict[str, Any]:
         """The one lease view every answer and event uses (``who`` None: the owner's, as events carry)."""
@@ -298,6 +302,9 @@ class LeaseManager:
             self.commit(lease, Change(state=LeaseState.ACTIVE, reason="activity", last_activity=now))
         else:
             self.commit(lease, Change(last_activity=now))
+
+    def used(self, lease: Lease, use: LeaseUse) -> None:
+        self.commit(lease, Change(use=use))
 
     def schedule_soon(self) -> None:
         """A pass at the end of this event-loop iteration, one for every change of it (``Iteration``)."""

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from ..core.gpu import GPU
 from ..core.lease import Lease, LeaseState
+from ..core.lease_use import LeaseUse
 
 
 class LeaseOps(Protocol):
@@ -18,6 +19,9 @@ class LeaseOps(Protocol):
 
     def activity(self, lease: Lease, now: float) -> None:
         """A holding lease did work at ``now``."""
+
+    def used(self, lease: Lease, use: LeaseUse) -> None:
+        """A holding lease's usage figures grew (kept in memory; stored with its next transition)."""
 
     def schedule_soon(self) -> None:
         """GPUs or policy changed: run a scheduling pass soon (once for all changes of this loop iteration)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.fractional import shared_env
+from ..core.fractional import held_memory, shared_env
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
@@ -74,6 +74,7 @@ def lease_view(
         "estimated_start": estimate,
         "env": {"CUDA_VISIBLE_DEVICES": visible_devices} if lease.devices else {},
         "placement": placement,
+        "usage": lease.use.view(held_memory(lease, gpus)) if lease.granted_at is not None else None,
     }
     if req.shared and lease.devices:
         gpu = gpus.get(lease.devices[0])

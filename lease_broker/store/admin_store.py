@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from ..core.lease import LeaseRequest
+from ..core.lease_use import LeaseUse
 from .lease_store import Store
 
 _SCHEMA = """
@@ -135,9 +136,10 @@ class AdminStore:
         return [(r[0], r[1], _gpus(r[2], r[3]), r[4], r[5], r[6]) for r in rows]
 
     def usage_rows(self, since: float) -> list[dict[str, Any]]:
-        """Every lease that held GPUs after ``since``, with its transitions (for the usage report)."""
+        """Every lease that held GPUs after ``since``, with its transitions, labels and usage figures (for the usage
+        report)."""
         rows = self.db.execute(
-            "SELECT id, user, request, devices, granted_at, ended_at, state, reason FROM leases "
+            "SELECT id, user, request, devices, granted_at, ended_at, state, reason, usage FROM leases "
             "WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
             (since,),
         ).fetchall()
@@ -148,7 +150,8 @@ class AdminStore:
             ).fetchall()
             out.append(
                 {"id": r[0], "user": r[1], "gpus": _gpus(r[2], r[3]), "granted_at": r[4], "ended_at": r[5],
-                 "state": r[6], "reason": r[7], "transitions": [(t[0], t[1]) for t in trans]}
+                 "state": r[6], "reason": r[7], "transitions": [(t[0], t[1]) for t in trans],
+                 "labels": json.loads(r[2]).get("labels") or {}, "use": LeaseUse.parse(r[8])}
             )
         return out
 

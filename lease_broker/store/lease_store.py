@@ -17,11 +17,13 @@ from typing import Any
 
 from ..core.errors import Unavailable
 from ..core.lease import TERMINAL, Lease, LeaseRequest, LeaseState
+from ..core.lease_use import LeaseUse
 from .checkpoint import Checkpointer
+from .upgrade import upgrade
 
 log = logging.getLogger("lease_broker")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: leases.usage (what each lease used), added to a version 1 store when it opens
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -44,7 +46,8 @@ CREATE TABLE IF NOT EXISTS leases (
     last_heartbeat REAL NOT NULL,
     last_activity REAL NOT NULL,
     pids TEXT NOT NULL DEFAULT '[]',
-    secret_hash TEXT NOT NULL DEFAULT ''
+    secret_hash TEXT NOT NULL DEFAULT '',
+    usage TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle');
 CREATE INDEX IF NOT EXISTS leases_user ON leases(user, created_at);
@@ -80,7 +83,7 @@ CREATE TABLE IF NOT EXISTS tokens (
 
 _COLUMNS = (
     "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
-    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash"
+    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage"
 )
 
 
@@ -105,6 +108,7 @@ def _row(lease: Lease) -> tuple[Any, ...]:
         lease.last_activity,
         json.dumps(lease.pids),
         lease.secret_hash,
+        lease.use.text(),
     )
 
 
@@ -138,10 +142,11 @@ def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
         last_activity=r[16],
         pids=pids,
         secret_hash=r[18],
+        use=LeaseUse.parse(r[19]),
     )
 
 
-_MARKS = ",".join("?" * 19)
+_MARKS = ",".join("?" * 20)
 _HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"
 
 _LIVE_STATES = "(" + ",".join(f"'{s.value}'" for s in LeaseState if s not in TERMINAL) + ")"
@@ -198,6 +203,8 @@ class Store:
                 raise sqlite3.DatabaseError(
                     f"store schema {row[0]} is newer than this broker understands ({SCHEMA_VERSION}): upgrade the broker"
                 )
+            elif int(row[0]) < SCHEMA_VERSION:
+                upgrade(self.db, int(row[0]), SCHEMA_VERSION)
         except sqlite3.Error as e:
             raise StoreError(
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
