@@ -40,6 +40,23 @@ export function baseName(path: string): string {
   return path.split('/').pop() || path;
 }
 
+/**
+ * The notebook's path under the server's root (what `docmanager:open` takes), from the kernel's label: the
+ * kernel's JPY_SESSION_NAME, an absolute path under Jupyter Server 2. Null when it is outside the root.
+ */
+export function labPath(notebook: string, serverRoot: string, sessionPaths: string[]): string | null {
+  if (!notebook.startsWith('/')) {
+    return notebook;
+  }
+  const root = serverRoot.replace(/\/+$/, '');
+  if (root && notebook.startsWith(`${root}/`)) {
+    return notebook.slice(root.length + 1);
+  }
+  // a root written differently (a symlink, "~"): the running session whose path the label ends with
+  const matches = sessionPaths.filter(p => p && notebook.endsWith(`/${p}`));
+  return matches.sort((a, b) => b.length - a.length)[0] ?? null;
+}
+
 /** "In[3]" for the kernel's label "gpu In[3]". */
 function cellName(cell: string | undefined): string {
   return (cell ?? '').replace(/^gpu\s+/, '');
@@ -146,8 +163,8 @@ export function noticeFor(event: IEvent, known?: ILease): INotice | null {
       cell,
       title: `GPU lease ${leaseId} will be preempted`,
       text:
-        `GPU lease ${leaseId}${where ? ` (${where})` : ''} will be preempted${at} for a ${event.by_class ?? 'higher-priority'} request: ` +
-        'save your work.'
+        `GPU lease ${leaseId}${where ? ` (${where})` : ''} will be preempted${at} for ` +
+        `${event.by_class ? `a request of priority class ${event.by_class}` : 'a higher-priority request'}: save your work.`
     };
   }
   if (event.type === 'warning') {

@@ -6,12 +6,13 @@
 
 import { JupyterFrontEnd } from '@jupyterlab/application';
 import { Notification } from '@jupyterlab/apputils';
+import { PageConfig } from '@jupyterlab/coreutils';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 
 import { extendLease, keepActive } from './actions';
 import { IEvent, ILease } from './api';
 import { DesktopNotifier } from './desktop';
-import { baseName, INotice, noticeFor, NOTICE_KINDS, NoticeKind } from './messages';
+import { baseName, INotice, labPath, noticeFor, NOTICE_KINDS, NoticeKind } from './messages';
 import { GpuLeaseModel } from './model';
 
 /** How long a success or info notice stays up while you look at the tab (kept in the center afterwards). */
@@ -71,7 +72,24 @@ export class LeaseNotifier {
     if (this._told.size > REMEMBER) {
       this._told.delete(this._told.values().next().value as string);
     }
-    this._show(notice);
+    // in the order the events came, though resolving a notebook's path may ask the server
+    this._pending = this._pending.then(() => this._resolve(notice)).then(n => this._show(n));
+  }
+
+  /** The notice with its notebook as a path under the server's root, or none to open. */
+  private async _resolve(notice: INotice): Promise<INotice> {
+    if (!notice.notebook?.startsWith('/')) {
+      return notice;
+    }
+    let sessions: string[] = [];
+    try {
+      const manager = this.app.serviceManager.sessions;
+      await manager.refreshRunning();
+      sessions = Array.from(manager.running(), s => s.path);
+    } catch {
+      // no sessions to match: the server root may still do
+    }
+    return { ...notice, notebook: labPath(notice.notebook, PageConfig.getOption('serverRoot'), sessions) };
   }
 
   /** Open the notebook a notice is about and select its cell when it can be found. */
@@ -161,6 +179,7 @@ export class LeaseNotifier {
     }
   }
 
+  private _pending: Promise<void> = Promise.resolve();
   private _told = new Set<string>();
   private _slots = new Map<string, string>();
 }
