@@ -56,9 +56,9 @@ Object.defineProperty(Document.prototype, 'visibilityState', {
 
 
 @pytest.fixture
-def broker(broker_factory):
+def broker(broker_factory, request):
     """One simulated GPU: a second request waits in the queue."""
-    return broker_factory(gpus=1, args=["--tick=0.1"])
+    return broker_factory(gpus=1, args=["--tick=0.1", *getattr(request, "param", [])])
 
 
 def put_settings(lab, values: dict[str, Any]) -> None:
@@ -188,3 +188,17 @@ def test_a_kind_turned_off_is_not_told_and_a_hidden_tab_is_told_on_the_desktop(l
     client.release(again.id, reason="cell finished")
     expect(toast(page, "Background cell eval in train.ipynb finished")).to_be_visible()
     assert len(page.evaluate("window.__desktopShown")) == 1
+
+
+@pytest.mark.parametrize("broker", [["--LeasePolicy.warn_before_seconds=600"]], indirect=True)
+def test_an_expiry_is_warned_then_told_and_the_warning_goes(lab, page, client):
+    open_panel(page, lab)
+    labels = {"source": "%%gpu", "cell": "gpu In[2]", "notebook": str(lab.root_dir / "eval.ipynb")}
+    lease = client.request_lease(1, heartbeat=False, duration_seconds=5, labels=labels)
+    warned = toast(page, f"Lease {lease.id} will be expired in")  # the broker's words: within warn_before_seconds
+    expect(warned.get_by_role("button", name="Extend…")).to_be_visible()
+    ended = toast(page, f"Your GPU lease {lease.id} (eval.ipynb, cell In[2]) was expired")
+    expect(ended).to_be_visible()
+    expect(ended.get_by_role("button", name="Open eval.ipynb")).to_be_visible()
+    expect(warned).to_have_count(0)  # nothing left to extend: the warning went with the lease
+    assert client.lease(lease.id).state == "expired"

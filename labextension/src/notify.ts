@@ -126,9 +126,14 @@ export class LeaseNotifier {
       autoClose: sticky ? false : AUTO_CLOSE_MS,
       actions: this._actions(notice)
     });
-    const previous = this._slots.get(notice.slot);
-    if (previous) {
-      Notification.dismiss(previous);
+    // a newer notice about the same thing replaces the older; a lease that ended has nothing left to warn of
+    const replaced = notice.slot.endsWith(':end') ? [notice.slot, `${notice.leaseId}:warning`] : [notice.slot];
+    for (const slot of replaced) {
+      const previous = this._slots.get(slot);
+      if (previous) {
+        Notification.dismiss(previous);
+        this._slots.delete(slot);
+      }
     }
     this._slots.set(notice.slot, id);
     this.desktop.show(notice, open);
