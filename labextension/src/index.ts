@@ -3,16 +3,18 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { Notification } from '@jupyterlab/apputils';
+import { ICommandPalette } from '@jupyterlab/apputils';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
-import { extendLease, keepActive } from './actions';
 import { IArtifact } from './api';
 import { GpuLeaseModel } from './model';
+import { LeaseNotifier } from './notify';
 import { GpuLeasePanel, PANEL_ID } from './panel';
 
 const OPEN_COMMAND = 'gpulease:open-panel';
+const DESKTOP_COMMAND = 'gpulease:allow-desktop-notifications';
 
 /** The status-bar item: "GPUs 3/4 free"; click or Enter opens the panel. */
 class StatusItem extends Widget {
@@ -46,8 +48,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-gpulease:plugin',
   description: 'GPUs, queue, leases and artifacts of the GPU lease broker, in the left sidebar',
   autoStart: true,
-  optional: [ILabShell, IStatusBar],
-  activate: (app: JupyterFrontEnd, labShell: ILabShell | null, statusBar: IStatusBar | null) => {
+  optional: [ILabShell, IStatusBar, ISettingRegistry, ICommandPalette],
+  activate: (
+    app: JupyterFrontEnd,
+    labShell: ILabShell | null,
+    statusBar: IStatusBar | null,
+    settingRegistry: ISettingRegistry | null,
+    palette: ICommandPalette | null
+  ) => {
     const model = new GpuLeaseModel();
 
     const openArtifact = (a: IArtifact) => {
@@ -77,46 +85,22 @@ const plugin: JupyterFrontEndPlugin<void> = {
       });
     }
 
-    // A warning before one of your leases is revoked for idleness or expires, with an Extend action.
-    const notified = new Map<string, string>();
-    model.warning.connect((_, event) => {
-      const leaseId = String(event.lease_id ?? '');
-      const key = `${event.kind}:${event.deadline}`;
-      if (!leaseId || notified.get(leaseId) === key) {
-        return;
-      }
-      const previous = notified.get(`${leaseId}#id`);
-      if (previous) {
-        Notification.dismiss(previous);
-      }
-      notified.set(leaseId, key);
-      const what = event.kind === 'idle' ? 'revoked for idleness' : 'expire';
-      const id = Notification.warning(event.message ?? `GPU lease ${leaseId} will ${what} soon`, {
-        autoClose: false,
-        actions: [
-          {
-            label: event.kind === 'idle' ? 'Keep it' : 'Extend…',
-            caption: event.kind === 'idle' ? `Mark lease ${leaseId} in use` : `Extend lease ${leaseId}`,
-            callback: () => {
-              const lease = model.leases.find(l => l.id === leaseId);
-              if (event.kind === 'idle') {
-                void keepActive(model, leaseId);
-              } else if (lease) {
-                void extendLease(model, lease);
-              } else {
-                Notification.error(`Lease ${leaseId} has ended: nothing to extend.`, { autoClose: 8000 });
-              }
-            }
-          },
-          {
-            label: 'Show',
-            displayType: 'link',
-            callback: () => void app.commands.execute(OPEN_COMMAND)
-          }
-        ]
+    // Notifications about your own leases (granted, background cell ended, warnings, revocations)
+    const notifier = new LeaseNotifier(app, model, () => void app.commands.execute(OPEN_COMMAND));
+    if (settingRegistry) {
+      notifier.followSettings(settingRegistry, plugin.id).catch(error => {
+        console.warn('jupyter-gpulease: settings not loaded, every notification is on', error);
       });
-      notified.set(`${leaseId}#id`, id);
+    }
+    app.commands.addCommand(DESKTOP_COMMAND, {
+      label: 'Allow GPU lease desktop notifications',
+      caption: 'Ask the browser to show GPU lease notifications on the desktop while this tab is hidden',
+      execute: () => notifier.desktop.request()
     });
+    if (palette) {
+      palette.addItem({ command: DESKTOP_COMMAND, category: 'GPU leases' });
+      palette.addItem({ command: OPEN_COMMAND, category: 'GPU leases' });
+    }
 
     model.start();
   }

@@ -48,9 +48,12 @@ export class GpuLeaseModel {
     return this._sampled;
   }
 
-  /** A warning event about one of your leases (idle revocation or expiry coming). */
-  get warning(): ISignal<this, IEvent> {
-    return this._warning;
+  /**
+   * An event about one of your own leases: a lease change (`lease`), an idle or expiry warning (`warning`),
+   * a preemption warning (`lease.preempting`). Admins' streams carry everyone's: only yours come through.
+   */
+  get ownEvent(): ISignal<this, IEvent> {
+    return this._ownEvent;
   }
 
   get isAdmin(): boolean {
@@ -245,9 +248,11 @@ export class GpuLeaseModel {
       case 'gpu_samples':
         this._onSamples(event.time ?? this.now(), event.gpus ?? []);
         return;
+      case 'lease':
+      case 'lease.preempting':
       case 'warning':
-        if (event.user === undefined || event.user === this.info?.user?.name) {
-          this._warning.emit(event);
+        if (event.user !== undefined && event.user === this.info?.user?.name) {
+          this._ownEvent.emit(event);
         }
         this.scheduleRefresh();
         return;
@@ -271,7 +276,7 @@ export class GpuLeaseModel {
 
   private _changed = new Signal<this, void>(this);
   private _sampled = new Signal<this, void>(this);
-  private _warning = new Signal<this, IEvent>(this);
+  private _ownEvent = new Signal<this, IEvent>(this);
   private _ws: WebSocket | null = null;
   private _backoff = 1000;
   private _reconnectTimer = 0;
