@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from traitlets import Float, List, Unicode, validate
+from traitlets import Bool, Float, List, Unicode, validate
 
 from ..core.gpu import GPU, GpuSample
 from ..core.lease import HOLDING, Lease, parse_size
@@ -79,7 +79,14 @@ class SlurmInventory(Inventory):
         "gpulease",
         config=True,
         help="Allocations are named '<job_prefix>-<lease id>'; a broker adopts or cancels the jobs with its prefix "
-        "(of its own Slurm user) when it starts. Give each broker that shares a cluster its own. Example: 'gl-prod'.",
+        "(its own Slurm user's, or every user's while it submits as them: charge_users) when it starts. Give each broker that shares a cluster its own. Example: 'gl-prod'.",
+    )
+    charge_users = Bool(
+        True,
+        config=True,
+        help="When the broker runs as root, submit each allocation as the lease's Unix user (salloc --uid/--gid), "
+        "so that Slurm's accounting (sacct) and fair share charge the user, not the broker. A user who is not a "
+        "Unix user on the broker's host (a JupyterHub identity) is charged to the broker's account. Example: False.",
     )
     salloc_args = List(
         Unicode(),

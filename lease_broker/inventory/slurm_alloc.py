@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import queue
 import subprocess
 import threading
@@ -231,7 +230,7 @@ class SlurmAllocations:
             if job_id:
                 self._cancel_job(job_id, devices)
             else:
-                self.cli.run("scancel", f"--name={self.cli.job_name(lease_id)}", f"--user={os.getuid()}", check=False)
+                self.cli.run("scancel", f"--name={self.cli.job_name(lease_id)}", *self.cli.mine(), check=False)
         finally:
             self._freed(devices)
 

@@ -4,6 +4,7 @@ and scontrol, and parsing what they say (host lists, GRES, GPU indices, node and
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -126,6 +127,7 @@ class SlurmSettings(Protocol):
     job_prefix: str
     salloc_args: list[str]
     command_timeout: float
+    charge_users: bool
 
 
 class SlurmCommands:
@@ -136,6 +138,7 @@ class SlurmCommands:
         self.partition = settings.partition  # the cluster's default partition when the setting is empty
         self.cluster = ""
         self.no_requeue = False
+        self.as_users = False  # allocations are submitted as the lease's Unix user (salloc --uid/--gid)
         self.env = dict(os.environ)
         self._checked = False
 
@@ -167,7 +170,11 @@ class SlurmCommands:
                              "or choose another --inventory", reason="startup") from None
         m = re.search(r"^ClusterName\s*=\s*(\S+)", config, re.MULTILINE)
         self.cluster = m.group(1) if m else ""
-        self.no_requeue = "--no-requeue" in self.run("salloc", "--help", check=False).stdout
+        salloc_help = self.run("salloc", "--help", check=False).stdout
+        self.no_requeue = "--no-requeue" in salloc_help
+        # root may submit as the user (Slurm's accounting and fair share then charge them); salloc drops to that
+        # uid once the allocation is made (with --no-shell it has nothing left to do)
+        self.as_users = self.settings.charge_users and os.geteuid() == 0 and "--uid" in salloc_help
         if not self.partition:
             parts = self.run("sinfo", "--noheader", "--format=%P").stdout.split()
             default = [p.rstrip("*") for p in parts if p.endswith("*")]
@@ -191,9 +198,13 @@ class SlurmCommands:
                                state.rstrip("*~#!%$@^-+"), responding, reason.strip())
         return nodes
 
+    def mine(self) -> list[str]:
+        """squeue's and scancel's user filter: the broker's own jobs, or every user's when it submits as them
+        (its jobs are then known by name only: ``<job_prefix>-<lease id>``)."""
+        return [] if self.as_users else [f"--user={os.getuid()}"]
+
     def read_jobs(self) -> dict[str, Job]:
-        out = self.run("squeue", "--noheader", "--states=all", f"--user={os.getuid()}",
-                        "--format=%i|%T|%r|%N|%j").stdout
+        out = self.run("squeue", "--noheader", "--states=all", *self.mine(), "--format=%i|%T|%r|%N|%j").stdout
         jobs: dict[str, Job] = {}
         ours = re.compile(re.escape(self.settings.job_prefix) + r"-l-[0-9a-f]+")  # lease ids: l-<hex>
         for line in out.splitlines():
@@ -219,9 +230,21 @@ class SlurmCommands:
         cmd.append(f"--gres=gpu:{counts.pop()}" if len(counts) == 1 else f"--gpus={len(lease.devices)}")
         if self.settings.account:
             cmd.append(f"--account={self.settings.account}")
+        cmd += self.submit_as(lease.user)
         if self.no_requeue:
             cmd.append("--no-requeue")
         return cmd + list(self.settings.salloc_args)
+
+    def submit_as(self, user: str) -> list[str]:
+        """``--uid``/``--gid`` of the lease's user when the broker submits as users and the user is a Unix user
+        here (a JupyterHub identity without one is charged to the broker's account)."""
+        if not self.as_users:
+            return []
+        try:
+            pw = pwd.getpwnam(user)
+        except KeyError:
+            return []
+        return [f"--uid={pw.pw_uid}", f"--gid={pw.pw_gid}"]
 
     def allocation_nodes(self, job_id: str) -> list[dict[str, Any]]:
         """Per node of the job, the GPU indices Slurm gave it (``scontrol show job -d``)."""

@@ -19,6 +19,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from slurm_cluster import MAX_TIME_MINUTES, LocalSlurmCluster, local_slurm_cluster, slurm_missing
+from users import as_user, second_user  # noqa: F401  (fixture)
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
@@ -127,6 +128,41 @@ def test_each_lease_is_an_allocation_on_distinct_devices(client: BrokerClient, c
         assert p["bundles"] == [{"index": 0, "node": lease["node"], "gpus": 2,
                                  "indices": sorted(int(d.rsplit(":", 1)[1]) for d in _ids(lease))}]
         assert lease["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(str(i) for i in p["bundles"][0]["indices"])
+
+
+def test_allocations_are_charged_to_the_leases_unix_user(cluster: LocalSlurmCluster, tmp_path: Path,
+                                                          second_user: Any) -> None:  # noqa: F811
+    """The broker runs as root: a lease of another Unix user is that user's Slurm job (salloc --uid/--gid), so
+    Slurm's accounting and fair share charge them; the broker still sees it, adopts it and cancels it."""
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="gl-slurm")
+    os.chmod(shared, 0o755)  # the second user reaches the socket
+    b = BrokerProcess(tmp_path / "charge", socket_path=os.path.join(shared, "b.sock"), env=cluster.env,
+                      args=["--inventory=slurm", "--tick=0.2", "--SlurmInventory.placement_timeout=10",
+                            "--SlurmInventory.job_prefix=glcharge"]).start(timeout=T)
+    try:
+        url = b.url
+
+        def theirs() -> dict[str, Any]:
+            c = BrokerClient(url)
+            return dict(c.request_lease(1, heartbeat=False, wait=T).raw)
+
+        lease = as_user(second_user, theirs)
+        assert lease.get("state") == "granted", lease
+        root = b.client(timeout=T)
+        wait_for(lambda: (root.lease(lease["id"]).get("placement") or {}).get("state") == "ready",
+                 what="the second user's allocation")
+        owners = cluster.run("squeue", "-h", "-o", "%j|%u")
+        assert f"glcharge-{lease['id']}|{second_user.pw_name}" in owners.splitlines(), owners
+        b.stop()  # a restarted broker finds the user's job again by name
+        b.start(timeout=T)
+        assert (root.lease(lease["id"]).get("placement") or {}).get("state") == "ready"
+        root.release(lease["id"])  # root ends the user's job
+        wait_for(lambda: f"glcharge-{lease['id']}" not in cluster.run("squeue", "-h", "-o", "%j"),
+                 what="the user's job to leave Slurm")
+    finally:
+        b.stop()
 
 
 def test_release_frees_the_allocation_in_slurm(client: BrokerClient, cluster: LocalSlurmCluster) -> None:
