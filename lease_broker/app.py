@@ -213,7 +213,8 @@ class LeaseBroker(Application):
         auth = Authenticator(store, is_admin, self.identity, hub,
                              remembering(self.policy.learn_groups, manager.admin_store.remember_groups))
         info = {"version": __version__, "broker": self.name}
-        notifier = Notifier(NotifyStore(store), manager.events.subscribe, self.policy.groups_of, parent=self)
+        notifier = Notifier(NotifyStore(store), manager.events.subscribe, self.policy.groups_of,
+                            email_of=hub.email_of if hub is not None else None, parent=self)
         service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout,
                                 notifier)
         where = []

@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Bool, Float, List, Unicode, default
 from traitlets.config import Configurable
 
@@ -81,9 +84,20 @@ class HubIdentity(Configurable):
         help="Whether the Hub's admins (admin: true in the Hub's user model) are broker admins.",
     )
 
+    api_token = Unicode(
+        config=True,
+        help="The broker's own Hub token (a service's api_token), used only to read users' e-mail addresses from "
+        "their auth_state for notifications (grant the service the scopes 'read:users' and 'admin:auth_state'). "
+        "Default: $JUPYTERHUB_API_TOKEN, which the Hub sets for a managed service. Never logged.",
+    )
+
     @default("api_url")
     def _default_api_url(self) -> str:
         return os.environ.get("JUPYTERHUB_API_URL", "")
+
+    @default("api_token")
+    def _default_api_token(self) -> str:
+        return os.environ.get("JUPYTERHUB_API_TOKEN", "")
 
     def __init__(self, clock: Clock | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -92,6 +106,7 @@ class HubIdentity(Configurable):
         self._asking: dict[str, asyncio.Future[HubUser | None]] = {}
         self._auth: Any = None
         self.reachable = True
+        self._emails: dict[str, tuple[str | None, float]] = {}
 
     def start(self) -> None:
         """Check the configuration and load JupyterHub's service-auth library (a startup error names the fix)."""
@@ -170,6 +185,34 @@ class HubIdentity(Configurable):
         user = self._user(model) if model else None
         self._remember(key, user, now)
         return user
+
+    async def email_of(self, name: str) -> str | None:
+        """The e-mail address the Hub keeps for ``name`` (``auth_state['email']``, which authenticators such as
+        GitHub's or Generic OAuth's can fill), read with the broker's own token; None when there is none or it
+        cannot be read. Answers are kept ``cache_seconds``."""
+        found = self._emails.get(name)
+        now = self.clock.now()
+        if found is not None and now - found[1] < self.cache_seconds:
+            return found[0]
+        address: str | None = None
+        if self.api_token and self.api_url:
+            req = HTTPRequest(f"{self.api_url.rstrip('/')}/users/{quote(name, safe='')}",
+                              headers={"Authorization": f"token {self.api_token}"},
+                              connect_timeout=self.timeout, request_timeout=self.timeout)
+            try:
+                resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+                if resp.code == 200:
+                    state = json.loads(resp.body).get("auth_state") or {}
+                    address = state.get("email") if isinstance(state.get("email"), str) else None
+                else:
+                    log.info("JupyterHub at %s: no user model for %s (HTTP %s): grant the broker's service "
+                             "'read:users' and 'admin:auth_state' for e-mail from the Hub", self.api_url, name,
+                             resp.code)
+            except Exception as e:
+                log.info("JupyterHub at %s: cannot read %s's e-mail address: %s", self.api_url, name,
+                         type(e).__name__)
+        self._emails[name] = (address, now)
+        return address
 
     def _user(self, model: dict[str, Any]) -> HubUser:
         name = str(model.get("name", ""))

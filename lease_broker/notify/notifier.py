@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from traitlets import Bool, Dict, Float, Integer, List, Unicode
@@ -53,16 +53,18 @@ class Notifier(LoggingConfigurable):
 
     def __init__(self, store: NotifyStore, subscribe: Callable[[], asyncio.Queue[dict[str, Any]]],
                  groups_of: Callable[[str], tuple[str, ...]], clock: Callable[[], float] = time.time,
-                 **kwargs: Any) -> None:
+                 email_of: Callable[[str], Awaitable[str | None]] | None = None, **kwargs: Any) -> None:
+        """``email_of``: where to find a user's address that ``emails`` does not give (JupyterHub's user model)."""
         super().__init__(**kwargs)
         self.store, self._subscribe, self.groups_of, self.clock = store, subscribe, groups_of, clock
+        self.email_of = email_of
         self.counts: dict[tuple[str, str], int] = {}  # (channel, "sent" | "retried" | "failed") -> messages
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def enabled(self) -> bool:
-        return bool(self.webhooks or (self.emails and self.smtp_host))
+        return bool(self.webhooks or (self.smtp_host and (self.emails or self.email_of)))
 
     # ------------------------------------------------------------------ what each user chose
     def events_of(self, user: str) -> list[str]:
@@ -77,12 +79,14 @@ class Notifier(LoggingConfigurable):
         self.store.set_prefs(user, chosen)
         return chosen
 
-    def channels_of(self, user: str) -> list[tuple[str, str]]:
-        """(channel, target) the user's messages go to."""
+    def channels_of(self, user: str, address: str | None = None) -> list[tuple[str, str]]:
+        """(channel, target) the user's messages go to; ``address``: their e-mail address from elsewhere (the
+        Hub), used when ``emails`` has none."""
         out = [("webhook", self.webhooks[user])] if user in self.webhooks else []
         out += [("webhook", self.webhooks["@" + g]) for g in self.groups_of(user) if "@" + g in self.webhooks]
-        if self.smtp_host and user in self.emails:
-            out.append(("email", self.emails[user]))
+        address = self.emails.get(user) or address
+        if self.smtp_host and address:
+            out.append(("email", address))
         return list(dict.fromkeys(out))
 
     # ------------------------------------------------------------------ running
@@ -101,16 +105,23 @@ class Notifier(LoggingConfigurable):
         while True:
             event = await queue.get()
             try:
-                self.take(event)
+                user = event.get("user")
+                address = None
+                if self.smtp_host and self.email_of is not None and isinstance(user, str) and user not in self.emails \
+                        and message(event) is not None:
+                    address = await self.email_of(user)
+                self.take(event, address)
             except Exception:
                 log.exception("Notifications: event %s not queued", event.get("seq"))
 
-    def take(self, event: dict[str, Any]) -> int:
-        """Queue the messages an event gives (returns how many are new)."""
+    def take(self, event: dict[str, Any], address: str | None = None) -> int:
+        """Queue the messages an event gives (returns how many are new); ``address``: the owner's e-mail address
+        from the Hub."""
         msg = message(event)
         if msg is None or msg.kind not in self.events_of(msg.user):
             return 0
-        rows = [(msg.key, channel, target, msg.user, msg.body()) for channel, target in self.channels_of(msg.user)]
+        rows = [(msg.key, channel, target, msg.user, msg.body())
+                for channel, target in self.channels_of(msg.user, address)]
         if not rows:
             return 0
         new = self.store.enqueue(rows, self.clock())

@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 from broker_process import BrokerProcess
 from hub_process import HubProcess, hub_missing
+from receivers import SmtpReceiver
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
 pytestmark = pytest.mark.timeout(600)
 
 ADMIN_SCOPE = "custom:gpulease:admin"
+BROKER_SERVICE_TOKEN = "gpulease-service-" + "0" * 32
 
 
 def _hub_config(broker_url: str, workdir: Path) -> str:
@@ -42,13 +44,34 @@ def _hub_config(broker_url: str, workdir: Path) -> str:
         c.Spawner.server_token_scopes = ["access:servers!server", "users:activity!user", "read:users:name!user",
                                          "read:users:groups!user", {ADMIN_SCOPE!r}]
         c.JupyterHub.load_groups = {{"ml-team": {{"users": ["alice", "dave"]}}}}
-        # the broker as an external service (it needs no scopes to identify users by their own tokens)
-        c.JupyterHub.services.append({{"name": "gpulease"}})
+        # the broker as an external service: it needs no scopes to identify users by their own tokens; its own
+        # token reads users' e-mail addresses from their auth_state, for notifications
+        c.JupyterHub.services.append({{"name": "gpulease", "api_token": {BROKER_SERVICE_TOKEN!r}}})
+        c.JupyterHub.load_roles.append({{"name": "gpulease-mail", "services": ["gpulease"],
+                                         "scopes": ["read:users", "admin:auth_state"]}})
+        # an authenticator that keeps an e-mail address in auth_state, as GitHub's or Generic OAuth's can
+        from jupyterhub.auth import DummyAuthenticator
+
+        class MailAuthenticator(DummyAuthenticator):
+            async def authenticate(self, handler, data):
+                name = await super().authenticate(handler, data)
+                name = name["name"] if isinstance(name, dict) else name
+                return name and {{"name": name, "auth_state": {{"email": name + "@example.org"}}}}
+
+        c.JupyterHub.authenticator_class = MailAuthenticator
+        c.Authenticator.enable_auth_state = True
         """)
 
 
 @pytest.fixture(scope="module")
-def hub_broker() -> Iterator[tuple[HubProcess, BrokerProcess]]:
+def mailbox() -> Iterator[SmtpReceiver]:
+    r = SmtpReceiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def hub_broker(mailbox: SmtpReceiver) -> Iterator[tuple[HubProcess, BrokerProcess]]:
     why = hub_missing()
     if why:
         pytest.skip(why)
@@ -60,11 +83,15 @@ def hub_broker() -> Iterator[tuple[HubProcess, BrokerProcess]]:
     broker_dir.mkdir()
     # one group quota: ml-team (a Hub group) holds at most 1 GPU at once
     (broker_dir / "lease_broker_config.py").write_text(
-        "c.LeasePolicy.group_quotas = {'ml-team': {'max_gpus': 1}}\nc.LeasePolicy.unix_groups = False\n")
+        "c.LeasePolicy.group_quotas = {'ml-team': {'max_gpus': 1}}\nc.LeasePolicy.unix_groups = False\n"
+        # mail to the address the Hub keeps for a user (no c.Notifier.emails entry)
+        f"c.Notifier.smtp_host = '127.0.0.1'\nc.Notifier.smtp_port = {mailbox.port}\n"
+        "c.Notifier.default_events = ['ended']\n")
     socket_path = os.path.join(workdir, "b.sock")  # one socket for every server, as when mounted into containers
-    hub = HubProcess(hub_dir)
+    hub = HubProcess(hub_dir, env={"JUPYTERHUB_CRYPT_KEY": "ab" * 32})  # auth_state is kept encrypted
     broker = BrokerProcess(broker_dir, gpus=4, socket_path=socket_path, args=[
-        "--tick=0.1", "--identity=hub", f"--HubIdentity.api_url={hub.api_url}", "--HubIdentity.cache_seconds=0"])
+        "--tick=0.1", "--identity=hub", f"--HubIdentity.api_url={hub.api_url}", "--HubIdentity.cache_seconds=0",
+        f"--HubIdentity.api_token={BROKER_SERVICE_TOKEN}"])
     hub_dir.joinpath("jupyterhub_config.py").write_text(
         hub_dir.joinpath("jupyterhub_config.py").read_text() + _hub_config(broker.url, workdir))
     hub.start()
@@ -258,6 +285,33 @@ def test_unix_plus_hub_takes_a_token_when_sent_else_the_socket_uid(hub_broker, t
         assert _status(lambda: _client(both, "f" * 32).info()) == 401
     finally:
         both.stop()
+
+
+def test_mail_goes_to_the_address_the_hub_keeps(hub_broker, mailbox: SmtpReceiver) -> None:
+    """Notifications by e-mail with no address in the broker's config: bob logs in to the Hub, whose
+    authenticator keeps his address in auth_state; the broker reads it with its own service token."""
+    import http.cookiejar
+    import urllib.parse
+    import urllib.request
+
+    from waiting import wait_for
+
+    hub, broker = hub_broker
+    jar = http.cookiejar.CookieJar()
+    web = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    web.open(f"{hub.url}/hub/login", timeout=30).read()
+    xsrf = next(c.value for c in jar if c.name == "_xsrf")
+    form = urllib.parse.urlencode({"username": "bob", "password": "test-password", "_xsrf": xsrf}).encode()
+    web.open(urllib.request.Request(f"{hub.url}/hub/login?next=/hub/home", data=form), timeout=60).read()
+    bob = _client(broker, hub.token("bob")[0])
+    carol = _client(broker, hub.token("carol")[0])
+    lease = bob.request_lease(1, heartbeat=False)
+    carol.revoke(lease.id, "maintenance")  # an end bob did not ask for: 'ended'
+    wait_for(lambda: [m for to, m in mailbox.mails if to == ["bob@example.org"]], timeout=30,
+             what="the mail to bob's Hub address")
+    (mail,) = [m for to, m in mailbox.mails if to == ["bob@example.org"]]
+    assert mail["Subject"] == f"GPU lease {lease.id} revoked" and "maintenance" in mail.get_payload()
+    assert BROKER_SERVICE_TOKEN not in broker.log_path.read_text()
 
 
 # ----------------------------------------------------------------------------- bad tokens
