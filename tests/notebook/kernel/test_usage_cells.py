@@ -68,7 +68,8 @@ def test_a_cell_on_a_shared_gpu_that_used_little_gets_a_hint_and_its_figures_are
     rows = {r[0]: r for r in by_notebook[1:]}
     assert set(rows) == {"/home/me/train.ipynb", ""}
     assert rows["/home/me/train.ipynb"][3] == "2" and int(rows["/home/me/train.ipynb"][6]) >= usage["peak_memory"]
-    assert rows[""][3] == "1" and rows[""][6] == ""  # the CLI lease ran nothing: nothing measured
+    # the CLI lease ran nothing: nothing measured, or 0 bytes if a sample fell within its short life
+    assert rows[""][3] == "1" and rows[""][6] in ("", "0")
     by_label = gpulease(broker.url, "admin", "usage", "--since", "30d", "--by", "label", "--label", "project",
                         "--csv").splitlines()
     assert by_label[0].startswith("project,") and by_label[1].startswith(",") and by_label[2].startswith("vision,")
