@@ -100,15 +100,16 @@ def stop(k: KernelLike, peers: list[Peer]) -> None:
 
 
 def kill_leftovers(marker: str) -> list[int]:
-    """SIGKILL this run's own processes that outlived their kernel: those whose command line names ``marker``
-    (the run's temporary directory, which every engine and Ray process is started with)."""
+    """SIGKILL this run's own processes that outlived their kernel (an interrupted run): those whose command line
+    or environment names ``marker``, the run's temporary directory (the kernel's children inherit its IPYTHONDIR
+    and GPULEASE_BROKER; Ray's processes name their temporary directory)."""
     killed = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() not in f.read():
+            with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/environ", "rb") as e:
+                if marker.encode() not in f.read() + e.read():
                     continue
             os.kill(int(pid), signal.SIGKILL)
             killed.append(int(pid))
