@@ -52,7 +52,13 @@ $(HUB_PROXY):
 test: $(STAMP) system-deps $(HUB_PROXY) lint
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+# the peers the cell benchmark measures beside %%gpu (ipyparallel; Ray comes with the ray extra)
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test,dev,ray,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks
 
 # 1,000 clients for 60 s, a %%gpu soak, the fault/security/fuzz tests with more fuzzing: rewrites the

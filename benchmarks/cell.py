@@ -1,13 +1,15 @@
 """``%%gpu`` benchmarks in a real kernel (jupyter_client) against a real broker (simulated inventory).
 
-Every figure has its baseline measured in the same run: the same cell inline in the kernel, or the
-broker handing a GPU from one plain client to the next.
+Every figure has its baseline measured in the same run: the same cell inline in the kernel, the broker handing
+a GPU from one plain client to the next, or a peer (``cell_peers``: ipyparallel's ``%%px`` on a warm engine, a
+local Ray task) started in the same kernel, its cells interleaved round by round with ours.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 from jupyter_client.manager import KernelManager
 
+from . import cell_peers
 from .broker import Broker
 from .report import Figure, figure
 
@@ -22,9 +25,9 @@ TITLE = "%%gpu cells"
 
 
 class _Kernel:
-    def __init__(self, broker_socket: str, artifacts: str) -> None:
+    def __init__(self, broker_socket: str, artifacts: str, extra: dict[str, str] | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")}
-        env.update({"GPULEASE_BROKER": "unix://" + broker_socket, "GPULEASE_ARTIFACT_ROOT": artifacts})
+        env.update({"GPULEASE_BROKER": "unix://" + broker_socket, "GPULEASE_ARTIFACT_ROOT": artifacts, **(extra or {})})
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(env=env)
         self.kc = self.km.client()
@@ -46,19 +49,28 @@ class _Kernel:
         self.km.shutdown_kernel(now=True)
 
 
-def _interleaved(k: _Kernel, a: str, b: str, n: int, pause: float) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for _ in range(n):
-        time.sleep(pause)  # a user does not run cells back to back: the warm worker gets refilled
-        xs.append(k.run(a) * 1000)
-        time.sleep(pause)
-        ys.append(k.run(b) * 1000)
-    return xs, ys
+def _rounds(k: _Kernel, cells: dict[str, str], n: int, pause: float,
+            reset: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """``n`` rounds of every cell (ms each), the order rotated each round so that none always follows another;
+    ``reset[name]`` runs (unmeasured) before that cell."""
+    out: dict[str, list[float]] = {name: [] for name in cells}
+    names = list(cells)
+    for i in range(n):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if reset and reset.get(name):
+                k.run(reset[name])
+            time.sleep(pause)  # a user does not run cells back to back: the warm worker gets refilled
+            out[name].append(k.run(cells[name]) * 1000)
+    return out
 
 
 def _added(samples: list[float], baseline: list[float]) -> list[float]:
     base = sorted(baseline)[len(baseline) // 2]
     return [s - base for s in samples]
+
+
+def _median(samples: list[float]) -> float:
+    return statistics.median(samples) if samples else float("nan")
 
 
 def _exit_to_grant(b: Broker, k: _Kernel, n: int) -> tuple[list[float], list[float]]:
@@ -70,6 +82,11 @@ def _exit_to_grant(b: Broker, k: _Kernel, n: int) -> tuple[list[float], list[flo
 
     url = "unix://" + b.socket
     samples, base = [], []
+    busy = 1  # the session's GPU: one is left for the cells
+    probe0 = BrokerClient(url)
+    deadline = time.time() + 30
+    while int(probe0.gpus()["summary"]["states"].get("leased") or 0) > busy and time.time() < deadline:
+        time.sleep(0.01)  # the last cell's lease is released after its worker exits
     for _ in range(n):
         got: dict[str, float] = {}
         waiter = BrokerClient(url)
@@ -83,8 +100,8 @@ def _exit_to_grant(b: Broker, k: _Kernel, n: int) -> tuple[list[float], list[flo
         k.run("_gpulease_marks = []")
         probe = BrokerClient(url)
 
-        def leased(probe: BrokerClient = probe) -> bool:
-            return bool(probe.gpus()["summary"]["states"].get("leased"))
+        def leased(probe: BrokerClient = probe) -> bool:  # beyond the session's GPU
+            return int(probe.gpus()["summary"]["states"].get("leased") or 0) > busy
 
         deadline = time.time() + 30
         while leased() and time.time() < deadline:  # the warm-up's lease is released after its worker exits
@@ -118,67 +135,123 @@ def _exit_to_grant(b: Broker, k: _Kernel, n: int) -> tuple[list[float], list[flo
     return samples, base
 
 
+TRIVIAL_NOTE = ("execute_request → reply + idle, through jupyter_client, minus the median of the same cell (`pass`) "
+                "inline, measured in the same rounds (the cells' order rotates each round, {pause} s apart so that a "
+                "warm worker is refilled, as between a user's cells).")
+
+
+def _trivial(k: _Kernel, peers: dict[str, cell_peers.Peer], missing: dict[str, str], n: int) -> list[Figure]:
+    cells = {"inline": "pass", "gpu": "%%gpu\npass", "session": "%%gpu --session bench\npass"}
+    cells.update({name: p.trivial for name, p in peers.items() if p.name not in missing})
+    got = _rounds(k, cells, n, 0.4)
+    inline = got["inline"]
+    note = TRIVIAL_NOTE.format(pause=0.4)
+    px = _added(got["px"], inline) if "px" in got else []
+    figures = [figure(
+        "trivial cell: added time, fresh %%gpu (warm worker)", "ms", _added(got["gpu"], inline),
+        "%%px on a warm ipyparallel engine, added" if px else "the same cell inline (absolute)", px or inline,
+        bar=("median", "<=", _median(px)) if px else ("median", "<=", 20.0),
+        note=note + " The %%gpu cell leases a GPU, runs `pass` in a pre-started worker (a new process for every "
+             "cell), hands the result back and releases the lease once the worker is gone; the bar is %%px's "
+             "median added time in this run" + ("." if px else f" ({missing.get(peers['px'].name)}: 20 ms instead)."),
+    )]
+    figures.append(figure(
+        "trivial cell: added time, %%gpu --session", "ms", _added(got["session"], inline),
+        "the same cell inline (absolute)", inline, bar=None,
+        note="the same rounds; a session keeps its leased worker across cells (no lease round trip, no new process).",
+    ))
+    if "ray" in got:
+        figures.append(figure(
+            "trivial cell: added time, Ray task (num_gpus=1)", "ms", _added(got["ray"], inline),
+            "the same cell inline (absolute)", inline, bar=None,
+            note="the same rounds: `ray.get(f.remote())` on a local Ray instance declaring 1 GPU, started in the "
+                 "kernel. Ray runs a task that asks for a GPU in a new worker process each time (max_calls=1 is "
+                 "Ray's default for GPU tasks, so GPU memory is freed between tasks).",
+        ))
+    return figures
+
+
+def _transfer(k: _Kernel, peers: dict[str, cell_peers.Peer], missing: dict[str, str], size: int,
+              reps: int) -> list[Figure]:
+    k.run(f"import numpy as np\nx = np.random.default_rng(0).random({size // 8})")
+    cells = {"inline": "y = x + 1", "gpu": "%%gpu --in x --out y\ny = x + 1",
+             "session": "%%gpu --session bench --in x --out y\ny = x + 1", "copy": "z = x.copy()\ndel z"}
+    cells.update({name: p.transfer for name, p in peers.items() if p.name not in missing})
+    # each cell starts without the previous round's copies (as a notebook that reassigns them), so that what the
+    # peers keep does not crowd the host's memory
+    reset = {name: "y = None" for name in cells}
+    reset["session"] = "y = None\nget_ipython().run_cell_magic('gpu', '--session bench', 'x = y = None')"
+    reset.update({name: p.reset for name, p in peers.items() if p.name not in missing})
+    got = _rounds(k, cells, reps, 0.3, reset)
+    k.run("del x, y")
+    mib = f"{size >> 20} MiB"
+    inline, gpu = got["inline"], got["gpu"]
+    figures = [figure(
+        f"{mib} of numpy in and out (y = x + 1), fresh %%gpu", "ms", gpu, "the same cell inline", inline, bar=None,
+        note="buffers travel out of band (pickle protocol 5), copied by the kernel straight into the worker's memory "
+             "and back out of it (process_vm_writev/readv, in parallel), into memory faulted in ahead: the warm "
+             "worker's reserve for its inputs, the kernel's spare for the results (worker/reserve.py). The cells' "
+             "order rotates each round, 0.3 s apart.",
+    )]
+    figures.append(figure(
+        f"{mib} in and out: fresh %%gpu / inline", "×", [_median(gpu) / _median(inline)],
+        "(inline + 2 copies) / inline", [(_median(inline) + 2 * _median(got["copy"])) / _median(inline)],
+        bar=("median", "<=", 2.5),
+        note="ratio of the medians; its baseline is the floor for a worker in another process that copies into "
+             "fresh memory: the cell itself plus one copy in and one out (`z = x.copy()`, measured in the same "
+             "rounds).",
+    ))
+    figures.append(figure(
+        f"{mib} in and out, %%gpu --session", "ms", got["session"], "the same cell inline", inline, bar=None,
+        note="the same rounds, in a session's worker (a new x each time, y replaced).",
+    ))
+    if "px" in got:
+        figures.append(figure(
+            f"{mib} in and out, ipyparallel push/execute/pull", "ms", got["px"], "the same cell inline", inline,
+            bar=None, note="the same rounds: `view.push({'x': x})`, `view.execute('y = x + 1')`, "
+                           "`y = view.pull('y')` on one warm engine, all blocking.",
+        ))
+    if "ray" in got:
+        figures.append(figure(
+            f"{mib} in and out: fresh %%gpu vs a Ray task's round trip", "ms", gpu,
+            "Ray: y = ray.get(f.remote(x)), num_gpus=1", got["ray"], bar=("median", "<=", _median(got["ray"])),
+            note="the same rounds; the bar is Ray's median in this run. Ray puts x into its object store, runs the "
+                 "task in a new worker (GPU tasks), and the driver maps the result from the store without a copy.",
+        ))
+    return figures
+
+
 def run(opts: Any) -> list[Figure]:
     quick = bool(opts.quick)
     n = 3 if quick else 15
     tmp = tempfile.mkdtemp(prefix="glcell")
+    size = (64 << 20) if quick else (1 << 30)
     figures: list[Figure] = []
-    b = Broker(os.path.join(tmp, "broker"), gpus=1, nodes=1)
+    b = Broker(os.path.join(tmp, "broker"), gpus=2, nodes=1)  # one for the session, one for the fresh cells
     os.makedirs(b.workdir)
     b.args.append("--tick=0.1")
     b.start()
-    k = _Kernel(b.socket, os.path.join(tmp, "artifacts"))
+    peers = {"px": cell_peers.PX, "ray": cell_peers.ray_peer(os.path.join(tmp, "ray"), 2 * size + (512 << 20))}
+    k = _Kernel(b.socket, os.path.join(tmp, "artifacts"), cell_peers.env(os.path.join(tmp, "ipython")))
+    started: list[cell_peers.Peer] = []
     try:
         k.run("%%gpu\npass")  # first lease, imports
-        inline, warm = _interleaved(k, "pass", "%%gpu\npass", n, 0.4)
-        figures.append(figure(
-            "trivial cell: added time, warm worker", "ms", _added(warm, inline), "the same cell inline (absolute)",
-            inline, bar=("median", "<=", 20.0),
-            note="execute_request → reply + idle, through jupyter_client; the %%gpu cell leases a GPU, runs `pass` "
-                 "in the pre-started worker, waits for its exit and releases. 0.4 s pause between cells so the "
-                 "warm worker is refilled (as between a user's cells).",
-        ))
+        missing = cell_peers.start(k, list(peers.values()))
+        started = [p for p in peers.values() if p.name not in missing]
+        for name, why in missing.items():
+            print(f"   {name}: {why}", flush=True)
+        figures += _trivial(k, peers, missing, n)
         k.run("%config GpuMagics.warm_workers = 0")
-        inline, cold = _interleaved(k, "pass", "%%gpu\npass", n, 0.2)
+        inline, cold = (list(v) for v in _rounds(k, {"inline": "pass", "cold": "%%gpu\npass"}, n, 0.2).values())
         figures.append(figure(
             "trivial cell: added time, cold worker", "ms", _added(cold, inline), "the same cell inline (absolute)",
             inline, bar=("median", "<=", 80.0),
             note="as above with GpuMagics.warm_workers = 0: a fresh interpreter per cell.",
         ))
         k.run("%config GpuMagics.warm_workers = 1")
-        size = (64 << 20) if quick else (1 << 30)
-        k.run(f"import numpy as np\nx = np.random.default_rng(0).random({size // 8})")
-        reps = 3 if quick else 15
-        inline_t, gpu_t, copy_t = [], [], []
-        for _ in range(reps):
-            inline_t.append(k.run("y = x + 1") * 1000)
-            time.sleep(0.3)
-            gpu_t.append(k.run("%%gpu --in x --out y\ny = x + 1") * 1000)
-            time.sleep(0.3)
-            copy_t.append(k.run("z = x.copy()") * 1000)
-        k.run("del x, y, z")
-        figures.append(figure(
-            f"{size >> 20} MiB of numpy in and out (y = x + 1)", "ms", gpu_t, "the same cell inline", inline_t,
-            bar=None, note="ratio bar: median ≤ 2× the inline median (see the ratio line below the table); buffers "
-                           "travel out of band (pickle protocol 5), copied by the kernel straight into the worker's "
-                           "memory and back out of it (process_vm_writev/readv, in parallel, into huge-page memory).",
-        ))
-        figures.append(figure(
-            f"{size >> 20} MiB copied into fresh memory, inline (z = x.copy())", "ms", copy_t, "y = x + 1 inline",
-            inline_t, bar=None,
-            note="what one transfer costs at least (a copy into new memory); `y = x + 1` is itself one pass over x "
-                 "into new memory, so a cell that ships x in and y out costs about three of these.",
-        ))
-        med = {name: sorted(v)[len(v) // 2] for name, v in (("gpu", gpu_t), ("inline", inline_t), ("copy", copy_t))}
-        ratio = med["gpu"] / max(1e-9, med["inline"])
-        floor = (med["inline"] + 2 * med["copy"]) / max(1e-9, med["inline"])
-        figures.append(figure(
-            f"{size >> 20} MiB in and out: %%gpu / inline", "×", [ratio], "(inline + 2 copies) / inline", [floor],
-            bar=("median", "<=", 2.0),
-            note="ratio of the medians above; its baseline is the floor for a worker in another process: the cell "
-                 "itself plus one copy in and one copy out, from the medians measured in this run.",
-        ))
-        samples, base = _exit_to_grant(b, k, 3 if quick else 15)
+        figures += _transfer(k, peers, missing, size, 3 if quick else 15)
+        samples, base = _exit_to_grant(b, k, 3 if quick else 15)  # the session holds the other GPU meanwhile
+        k.run("%gpu session stop bench")
         figures.append(figure(
             "worker exit → GPU granted to the next waiting request", "ms", samples,
             "plain client release → waiting request granted", base, bar=("p99", "<=", 500.0),
@@ -187,7 +260,9 @@ def run(opts: Any) -> list[Figure]:
                  "exit, the release and the scheduling pass.",
         ))
     finally:
+        cell_peers.stop(k, started)
         k.stop()
         b.stop()
+        cell_peers.kill_leftovers(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
     return figures

@@ -16,9 +16,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
-from ..worker import transfer
+from ..worker import reserve, transfer
 from ..worker.env import worker_env
 from .base import Executor, OutputDecoder, Sink, Worker, WorkerCrashed
 
@@ -168,7 +169,12 @@ class LocalWorker(Worker):
 
 
 class WarmPool:
-    """Keeps ``size`` pre-started, single-use workers with the preloaded modules imported."""
+    """Keeps ``size`` pre-started, single-use workers with the preloaded modules imported.
+
+    A worker taken for a cell is replaced after the cell (``fill(delay)``), not while it runs: starting an
+    interpreter would take a core from the cell and the kernel's answer. A new worker also gets a reserve
+    (``reserve.INPUTS``): memory for the next cell's large inputs, faulted in while it waits.
+    """
 
     def __init__(self, python: str | None = None, preload: list[str] | None = None, size: int = 1) -> None:
         self.python, self.preload, self.size = python, list(preload or []), size
@@ -177,39 +183,41 @@ class WarmPool:
         self._filling = False
 
     def take(self) -> tuple[LocalWorker, bool]:
-        """A worker (warm if one is ready); refills in the background. Returns (worker, was_warm)."""
+        """A worker (warm if one is ready, else a cold one without preloads). Returns (worker, was_warm)."""
         with self._lock:
             while self._idle:
                 w = self._idle.pop(0)
                 if w.alive():
-                    self._refill_later()
                     return w, True
                 w.close()
-        self._refill_later()
         return LocalWorker(self.python), False  # cold: nothing preloaded on the critical path
 
-    def _refill_later(self) -> None:
-        if self.size <= 0 or self._filling:
-            return
-        self._filling = True
-        threading.Thread(target=self._refill, name="gpulease-warm-pool", daemon=True).start()
+    def fill(self, delay: float = 0.0) -> None:
+        """Start workers until ``size`` wait, in the background, after ``delay`` seconds."""
+        with self._lock:
+            if self.size <= 0 or self._filling or len(self._idle) >= self.size:
+                return
+            self._filling = True
+        threading.Thread(target=self._refill, args=(delay,), name="gpulease-warm-pool", daemon=True).start()
 
-    def _refill(self) -> None:
+    def _refill(self, delay: float) -> None:
         try:
+            if delay > 0:
+                time.sleep(delay)
             while True:
                 with self._lock:
                     if len(self._idle) >= self.size:
                         return
                 w = LocalWorker(self.python, self.preload)
+                nbytes = reserve.INPUTS.expected()
+                if nbytes:
+                    w.submit({"type": "reserve", "nbytes": nbytes})
                 with self._lock:
                     self._idle.append(w)
         except Exception:
             return
         finally:
             self._filling = False
-
-    def fill(self) -> None:
-        self._refill_later()
 
     def shutdown(self) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,10 @@ from .drive import Sinks, drive
 
 # Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
 _IO = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpulease-io")
+#: seconds a job runs before its worker is attached to the lease (see ``LeaseRun._attach``)
+ATTACH_AFTER = 0.02
+#: seconds after a single-use worker handed its result back before its lease is released (see ``LeaseRun._reap``)
+RELEASE_AFTER = 0.03
 
 
 class CellError(Exception):
@@ -124,7 +128,6 @@ class LeaseRun:
         self.exit_status: int | None = None
         self.status = "running"
         self.error: dict[str, str] | None = None  # the last failed job's exception: {type, message}
-        self._pending: list[Future[None]] = []
         self._attached: set[int] = set()
         self._reapers: list[threading.Thread] = []
         self._auto_end = False
@@ -217,7 +220,7 @@ class LeaseRun:
         self.error = None
         if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
-            self._pending.append(_IO.submit(self._attach, worker))  # in flight while the job starts
+            _IO.submit(self._attach, worker)  # in flight while the job runs (never waited for: see _attach)
         self.heartbeater.set_active(self.lease.id, True)
         oob_dir = transfer.shm_dir()
         outcome = Outcome(self.lease, queued=self.queued, artifacts=self.artifacts.display_path)
@@ -282,21 +285,34 @@ class LeaseRun:
         return err
 
     def _attach(self, worker: Worker) -> None:
+        """Tell the broker the worker's pid (so that it can stop it when the lease ends, and count its use of the
+        GPUs). Only once it has run ``ATTACH_AFTER`` seconds: a single-use worker done sooner is gone before the
+        broker could act on it, and its attach would only compete with the cell for the kernel and the broker."""
+        time.sleep(ATTACH_AFTER)
+        if not worker.alive():
+            return
         try:
             self.client.attach(self.lease.id, worker.pid)
         except Exception as e:
-            finished = self.status != "running" or worker.returncode is not None
-            if finished or (isinstance(e, BrokerError) and e.status in (404, 409)):
-                return  # the worker (or the lease) is already gone: nothing left to attach
+            if self.status != "running" or not worker.alive():
+                return  # the worker is already gone: nothing left to attach
+            if isinstance(e, BrokerError) and e.status in (404, 409):
+                worker.kill(0.5)  # the lease ended meanwhile: its GPUs are no longer this worker's
+                return
             print(f"gpulease: could not attach worker {worker.pid} to lease {self.lease.id}: {e}", file=sys.stderr)
 
     def _reap(self, worker: Worker, then_end: bool) -> None:
+        """Wait for the worker's exit in the background; with ``then_end``, then release the lease, once the kernel
+        has had ``RELEASE_AFTER`` seconds to answer the cell (the release would compete with that answer)."""
+        handed = time.monotonic()
+
         def reap() -> None:
             try:
                 self.exit_status = worker.wait_exit()
                 worker.close()
             finally:
                 if then_end:
+                    time.sleep(max(0.0, handed + RELEASE_AFTER - time.monotonic()))
                     self.end(from_reaper=True)
 
         if then_end:
@@ -307,6 +323,8 @@ class LeaseRun:
 
     def end(self, reason: str = "released", *, from_reaper: bool = False) -> None:
         """Release the lease (idempotent, after its workers are gone) and write meta.json."""
+        if self._auto_end and not from_reaper:
+            return  # the reaper ends it the moment the worker is gone (never wait on its lock: it waits on the broker)
         with self._end_lock:
             if self.status == "ended" or (self._auto_end and not from_reaper):
                 return  # already ended, or the reaper ends it the moment the worker is gone
@@ -314,11 +332,6 @@ class LeaseRun:
             for t in self._reapers:
                 if t is not me:
                     t.join(30)
-            for f in self._pending:
-                try:
-                    f.result(10)
-                except Exception:
-                    pass
             status, self.status = self.status, "ended"
         self.heartbeater.remove(self.lease.id)
         final = release_quietly(self.client, self.lease.id, reason) or self._view()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..executors.base import Sink, Worker
-from ..worker import transfer, vmcopy
+from ..worker import reserve, transfer, vmcopy
 
 
 @dataclass
@@ -40,6 +40,17 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
     """
     hold = (job.get("inputs") or {}).pop("_hold", None)  # input buffers the worker will ask to be copied
     worker.submit(job)
+    if job.get("vm"):
+        reserve.INPUTS.note(sum(b.nbytes for b in hold or []))
+    results = _Results(bool(job.get("vm")))
+    try:
+        return _drive(worker, job, hold, sinks, grace, notices, results)
+    finally:
+        results.close()
+
+
+def _drive(worker: Worker, job: dict[str, Any], hold: list[Any] | None, sinks: Sinks, grace: float,
+           notices: Callable[[], list[str]] | None, results: _Results) -> dict[str, Any]:
     interrupted_at: float | None = None
     waiting: dict[str, Any] | None = None  # a result whose buffers could not be copied: they come as a file
     while True:
@@ -67,7 +78,7 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
                 waiting["payload"].update(file=msg["file"], spans=msg["spans"], vm=None)
                 msg, waiting = waiting, None
             elif kind == "result" and (msg.get("payload") or {}).get("vm"):
-                ok = _copying(worker, transfer.pull, worker.pid, msg["payload"])
+                ok = _copying(worker, transfer.pull, worker.pid, msg["payload"], results.taken(msg["payload"]["vm"]))
                 if ok is None:
                     continue
                 worker.submit({"type": "vm_done", "ok": ok})
@@ -85,6 +96,23 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
                 raise
             interrupted_at = time.monotonic()
             worker.interrupt()
+
+
+class _Results:
+    """Notes the size of a job's large results (``reserve.RESULTS``) and copies them into the spare reserve that
+    the kernel faulted in after the last cells, when there is one."""
+
+    def __init__(self, vm: bool) -> None:
+        self.vm, self.noted = vm, False
+
+    def taken(self, spans: list[tuple[int, int]]) -> reserve.Reserve | None:
+        reserve.RESULTS.note(sum(n for _, n in spans))
+        self.noted = True
+        return reserve.RESULTS.spare()
+
+    def close(self) -> None:
+        if self.vm and not self.noted:
+            reserve.RESULTS.note(0)
 
 
 def _refused(sinks: Sinks) -> None:

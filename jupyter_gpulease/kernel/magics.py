@@ -18,27 +18,22 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Int, List, Unicode, observe
+from traitlets import Bool, Float, Int, List, TraitError, Unicode, observe, validate
 
-from gpulease_protocol.requests import parse_duration, request_fields
+from gpulease_protocol.requests import parse_duration, parse_size, request_fields
 
 from .. import artifacts as _artifacts
 from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
 from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
-from ..notify import notify, notify_text
-from ..tables import fmt_duration, leases_table, queue_table, status_text, table
+from ..worker import reserve
 from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
 from .drive import default_sinks
+from .linecmd import LINE_COMMANDS, line_command
 from .sessions import Session, Sessions
-
-LINE_COMMANDS = """
-Line magic: %gpu status | leases [N] | queue | release ID | sessions | session stop NAME
-            | artifacts [N] | jobs | notify [show | on | off | KIND[,KIND]]
-"""
 
 
 @magics_class
@@ -61,6 +56,14 @@ class GpuMagics(Magics):
         "Example: ['numpy', 'torch']. [] starts workers with nothing extra.",
     )
     warm_workers = Int(1, config=True, help="Pre-started single-use workers to keep ready (0: start one per cell).")
+    warm_memory = Unicode(
+        "4G", config=True,
+        help="Most memory, in bytes or a size like '4G', that a warm worker holds faulted in ahead of a lease for "
+        "the next cell's large inputs, and the kernel for a cell's large results while it runs: sized from the "
+        "last 3 cells' values, so a value is copied into memory that is already there instead of paying a page "
+        "fault per page. Taken only while the host keeps 1/8 of its memory (at least 1 GiB) available; a waiting "
+        "worker gives it back when memory runs short. 0: none (values are copied into fresh memory).",
+    )
     worker_python = Unicode(
         "", config=True, help="Python interpreter for workers. Empty: the kernel's own (sys.executable)."
     )
@@ -100,6 +103,22 @@ class GpuMagics(Magics):
         self.executors: dict[str, Executor] = {"local": LocalExecutor(self.pool, parent=self)}
         self.sessions = Sessions()
         self.jobs: dict[str, SimpleNamespace] = {}
+        self._memory_changed()
+
+    @validate("warm_memory")
+    def _valid_memory(self, proposal: Any) -> str:
+        try:
+            parse_size(proposal["value"], "GpuMagics.warm_memory")
+        except ValueError as e:
+            raise TraitError(str(e)) from None
+        return str(proposal["value"])
+
+    @observe("warm_memory")
+    def _memory_changed(self, change: Any = None) -> None:
+        reserve.INPUTS.limit = reserve.RESULTS.limit = parse_size(self.warm_memory)
+        if change is not None:  # `%config GpuMagics.warm_memory = 0`: what is held under the old limit goes now
+            reserve.RESULTS.drop()
+            self._pool_changed(change)
 
     @observe("warm_workers", "preload", "worker_python")
     def _pool_changed(self, change: Any) -> None:
@@ -159,7 +178,7 @@ class GpuMagics(Magics):
     def gpu(self, line: str, cell: str | None = None) -> Any:
         """Run this cell on leased GPUs, in a worker that sees only them; release them when it ends."""
         if cell is None:
-            return self._line(line)
+            return line_command(self, line)
         args = parse_argstring(self.gpu, negative_values(line))
         opts = self._options(args)
         if not cell.strip():
@@ -240,6 +259,7 @@ class GpuMagics(Magics):
             return run.run(worker, job, sinks or default_sinks(), opts["grace"])
         finally:
             run.end()
+            self._after_cell()
 
     def _in_session(self, name: str, opts: dict[str, Any], job: Job) -> Any:
         s = self.sessions.get(name)
@@ -272,6 +292,18 @@ class GpuMagics(Magics):
         finally:
             if not s.worker.alive():
                 self.sessions.discard(name)
+            else:
+                self._after_cell(s.worker)
+
+    def _after_cell(self, session: Worker | None = None) -> None:
+        """Once the kernel has answered the cell: a warm worker for the next one (or memory for a session's next
+        inputs), and memory for the next large results (``reserve``)."""
+        if session is None:
+            self.pool.fill(REFILL_DELAY)
+        elif session.local and reserve.INPUTS.expected():
+            session.submit({"type": "reserve", "nbytes": reserve.INPUTS.expected()})
+        if reserve.RESULTS.expected():
+            reserve.RESULTS.prepare(REFILL_DELAY)
 
     def _background(self, name: str, opts: dict[str, Any], job: Job) -> None:
         if name in self.jobs and self.jobs[name].state in ("queued", "running"):
@@ -306,56 +338,9 @@ class GpuMagics(Magics):
         threading.Thread(target=work, name=f"gpulease-bg-{name}", daemon=True).start()
         print(f"gpulease: {name!r} runs in the background; its output appears in this cell. `%gpu jobs` lists jobs.")
 
-    # ---------------------------------------------------------------- %gpu line commands
-    def _line(self, line: str) -> Any:
-        words = line.split()
-        cmd, rest = (words[0], words[1:]) if words else ("status", [])
-        try:
-            if cmd == "status":
-                print(status_text(self.client.url, self.client.status()))
-            elif cmd == "leases":
-                leases = self.client.leases(ended=int(rest[0]) if rest else 0)
-                print(leases_table(leases) if leases else "No leases." + ("" if rest else " (`%gpu leases 10` also "
-                                                                           "lists the last 10 ended ones)"))
-            elif cmd == "queue":
-                q = self.client.queue()
-                print(queue_table(q) if q else "The queue is empty.")
-            elif cmd == "release" and rest:
-                for lease_id in rest:
-                    self.client.release(lease_id, "released with the line magic gpu release")
-                    print(f"released {lease_id}")
-            elif cmd == "sessions":
-                rows = self.sessions.rows()
-                print(table(["SESSION", "LEASE", "STATE", "CELLS", "AGE"], rows) if rows else "No sessions.")
-            elif cmd == "session" and len(rest) == 2 and rest[0] == "stop":
-                s = self.sessions.stop(rest[1])
-                print(f"session {s.name!r} stopped; lease {s.lease_id} released")
-            elif cmd == "artifacts":
-                return self._artifacts(int(rest[0]) if rest else 10)
-            elif cmd == "notify":
-                print(notify_text(notify(self.client, rest)))
-            elif cmd == "jobs":
-                rows = [[j.name, j.state, j.lease_id or "-", fmt_duration(time.time() - j.started), j.error or ""]
-                        for j in self.jobs.values()]
-                print(table(["JOB", "STATE", "LEASE", "AGE", "ERROR"], rows) if rows else "No background jobs.")
-            else:
-                raise UsageError(f"%gpu: unknown command {line.strip()!r}.{LINE_COMMANDS}")
-        except (BrokerError, BrokerUnreachable, KeyError, ValueError) as e:
-            raise UsageError(f"%gpu {cmd}: {e}") from None
-        return None
-
-    def _artifacts(self, limit: int) -> None:
-        items = _artifacts.recent(self._root(), limit)
-        if not items:
-            print(f"No artifacts under {self._root()} yet.")
-            return
-        rows = [[a.lease_id, a.meta.get("status"), a.meta.get("started_at", "")[:19],
-                 fmt_duration(a.meta.get("wall_seconds") or 0), a.url] for a in items]
-        print(table(["LEASE", "STATUS", "STARTED", "WALL", "WHERE"], rows))
-        print("Load one with jupyter_gpulease.artifacts.load(LEASE_ID)")
-
     def shutdown(self) -> None:
         self.sessions.stop_all()
+        reserve.RESULTS.drop()
         for executor in self.executors.values():
             executor.shutdown()
 
@@ -379,6 +364,9 @@ def _names(text: str) -> list[str]:
 
 
 GpuMagics.gpu.__doc__ = (GpuMagics.gpu.__doc__ or "") + LINE_COMMANDS
+
+#: seconds after a cell before its warm worker is replaced (the kernel answers the cell meanwhile)
+REFILL_DELAY = 0.05
 
 _loaded: dict[int, GpuMagics] = {}
 

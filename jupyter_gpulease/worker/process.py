@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from _queue import SimpleQueue  # queue.SimpleQueue without importing queue (heapq, ...)
+from _queue import Empty, SimpleQueue  # queue.SimpleQueue without importing queue (heapq, ...)
 
 from . import transfer
 
@@ -189,13 +189,14 @@ def _prepare(job: dict[str, Any]) -> None:
             sys.path.insert(0, p)
 
 
-def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None) -> dict[str, Any]:
-    """Run one job; ``ask(message)`` sends a message to the kernel and returns its answer."""
+def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, reserve: Any = None) -> dict[str, Any]:
+    """Run one job; ``ask(message)`` sends a message to the kernel and returns its answer. Large inputs are copied
+    into ``reserve`` (memory faulted in while the worker waited) when they fit."""
     started = time.monotonic()
     try:
         _prepare(job)
         if job.get("inputs") is not None:
-            ns.update(transfer.receive(job["inputs"], ask))
+            ns.update(transfer.receive(job["inputs"], ask, reserve))
         value: Any = None
         if job["kind"] == "call":
             fn, args, kwargs = ns.pop("__gpulease_call__")
@@ -227,6 +228,44 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None) -> dict[st
             "traceback": text,
             "elapsed": time.monotonic() - started,
         }
+
+
+class _Held:
+    """The reserve a waiting worker holds for its next inputs (see ``reserve``); given back when memory runs short."""
+
+    CHECK_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self.reserve: Any = None
+
+    def make(self, nbytes: int) -> None:
+        from . import reserve
+
+        if self.reserve is not None and self.reserve.nbytes == nbytes and not self.reserve.spent():
+            return
+        self.drop()
+        self.reserve = reserve.make(nbytes)
+
+    def wait(self, jobs: SimpleQueue[Any]) -> Any:
+        """The next message from the kernel; meanwhile, the reserve goes back if the host runs short of memory."""
+        while self.reserve is not None:
+            try:
+                return jobs.get(timeout=self.CHECK_SECONDS)
+            except Empty:
+                from . import reserve
+
+                if reserve.short_of_memory():
+                    self.drop()
+        return jobs.get()
+
+    def after_job(self) -> None:
+        if self.reserve is not None and self.reserve.spent():
+            self.reserve = None
+
+    def drop(self) -> None:
+        if self.reserve is not None:
+            self.reserve.close()
+            self.reserve = None
 
 
 class _Kernel:
@@ -286,11 +325,16 @@ def main(argv: list[str] | None = None) -> None:
     transfer.send(ctrl, {"type": "ready", "pid": os.getpid(), "versions": transfer.versions(), "preload_failed": failed})
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     kernel = _Kernel(ctrl, jobs)
+    held = _Held()
     while True:
-        job = jobs.get()
+        job = held.wait(jobs)
         if job.get("type") == "stop":
             break
-        result = run_job(job, ns, kernel.ask)
+        if job.get("type") == "reserve":  # memory for the next job's inputs, faulted in while this worker waits
+            held.make(int(job["nbytes"]))
+            continue
+        result = run_job(job, ns, kernel.ask, held.reserve)
+        held.after_job()
         sys.stdout.flush()
         sys.stderr.flush()
         kernel.hand_over(result, job.get("oob_dir"))

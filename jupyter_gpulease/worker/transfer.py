@@ -28,6 +28,8 @@ TYPE_CHECKING = False  # typing only for the type checker: this module is on eve
 if TYPE_CHECKING:
     from typing import IO, Any
 
+    from .reserve import Reserve
+
 # cloudpickle is imported only when needed: a cold worker that runs a plain cell starts faster,
 # and unpickling what cloudpickle wrote imports it by itself.
 
@@ -203,20 +205,26 @@ def push(pid: int, hold: list[memoryview], ask: dict[str, Any], directory: str |
     return {"type": "vm_done", "ok": False, "file": path, "spans": spans}
 
 
-def pull(pid: int, packed: dict[str, Any]) -> bool:
-    """Copy the buffers a worker's result names into this process (``packed["buffers"]``); False if refused."""
-    dests = [vmcopy.allocate(n) for _, n in packed["vm"]]
+def pull(pid: int, packed: dict[str, Any], into: Reserve | None = None) -> bool:
+    """Copy the buffers a worker's result names into this process (``packed["buffers"]``), into memory cut from
+    ``into`` when they fit; False if refused."""
+    from .reserve import destinations
+
+    dests = destinations([n for _, n in packed["vm"]], into)
     if not vmcopy.copy_unless_refused(pid, vmcopy.spans(dests), packed["vm"], write=False):
         return False
     packed["buffers"] = dests
     return True
 
 
-def receive(packed: dict[str, Any], ask: Any) -> Any:
-    """The worker's loads(): buffers the kernel holds are copied into memory allocated here first."""
+def receive(packed: dict[str, Any], ask: Any, into: Reserve | None = None) -> Any:
+    """The worker's loads(): buffers the kernel holds are copied into memory here first (cut from ``into``, memory
+    faulted in while the worker waited, when they fit)."""
     if not packed.get("vm"):
         return loads(packed)
-    dests = [vmcopy.allocate(n) for _, n in packed["vm"]]
+    from .reserve import destinations
+
+    dests = destinations([n for _, n in packed["vm"]], into)
     reply = ask({"type": "vm_dest", "addrs": vmcopy.spans(dests)})
     if reply.get("ok"):
         return loads(packed, dests)
