@@ -1,7 +1,7 @@
 """An overloaded batch-cluster trace for the replay: ``python -m benchmarks.overload_trace OUT.csv``.
 
 ``generate(path, jobs=30000, days=30, gpus_total=64, load=3.0, seed=1)`` writes a bursts CSV that
-``gpulease replay`` reads (``job_id,start_s,duration_s,num_gpus``; no ``session_id``, so each job is
+``gpulease replay`` reads (``job_id,start_s,duration_s,num_gpus,user``; no ``session_id``, so each job is
 replayed as its own session: a batch job holds its GPUs busy for its whole duration, one burst).
 The same seed gives the same file, byte for byte. The distributions:
 
@@ -14,6 +14,8 @@ The same seed gives the same file, byte for byte. The distributions:
   [2 min, 3 days] and rounded to whole seconds. The median is solved for (bisection) so that the
   offered load ``sum(gpus x duration) / (gpus_total x days x 86,400 s)`` is ``load``; for the defaults
   the median is about 15 minutes and the mean about 1.2 hours.
+- **Users**: ``users`` (60) submitters, the k-th with weight 1/k^1.1 (Zipf: the heaviest submits about a quarter of
+  the jobs, two thirds submit fewer than 1 % each), so fair share orders the queue as on a shared cluster.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ DAY = 86_400.0
 MIN_DURATION, MAX_DURATION = 120.0, 3 * DAY
 SIGMA = 1.8
 SIZES = ((1, 1 / 2), (4, 1 / 6), (8, 1 / 3))
+USERS = 60  # who submits: a Zipf law over this many users (a few heavy users, a long tail), as in real clusters
+ZIPF = 1.1
 CYCLE = 0.5  # amplitude of the daily cycle, as a fraction of the mean rate
 PEAK_HOUR = 15.0
 
@@ -59,11 +63,12 @@ def _clip(d: float) -> float:
 
 
 def generate(path: str | Path, jobs: int = 30000, days: float = 30, gpus_total: int = 64, load: float = 3.0,
-             seed: int = 1) -> Path:
+             seed: int = 1, users: int = USERS) -> Path:
     """Write the trace to ``path`` and return it; see the module's docstring for the distributions."""
-    if jobs < 1 or days <= 0 or gpus_total < 8 or load <= 0:
+    if jobs < 1 or days <= 0 or gpus_total < 8 or load <= 0 or users < 1:
         raise ValueError(f"Invalid trace: jobs={jobs!r} days={days!r} gpus_total={gpus_total!r} load={load!r} "
-                         "(need jobs >= 1, days > 0, gpus_total >= 8 for the 8-GPU jobs, load > 0)")
+                         f"users={users!r} (need jobs >= 1, days > 0, gpus_total >= 8 for the 8-GPU jobs, load > 0, "
+                         "users >= 1)")
     rng = random.Random(seed)
     starts = _arrivals(rng, jobs, days)
     sizes, weights = [s for s, _ in SIZES], [w for _, w in SIZES]
@@ -77,12 +82,15 @@ def generate(path: str | Path, jobs: int = 30000, days: float = 30, gpus_total: 
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if _offered(gpus, shapes, mid) < target else (lo, mid)
     median = math.sqrt(lo * hi)
+    rank_weights = [1.0 / (k + 1) ** ZIPF for k in range(users)]
+    owners = [f"user{k:03d}" for k in rng.choices(range(users), rank_weights, k=jobs)]  # after the rest: the
+    # arrivals, sizes and durations are those of a trace without users
     out = Path(path)
     with out.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["job_id", "start_s", "duration_s", "num_gpus"])
-        for i, (start, g, shape) in enumerate(zip(starts, gpus, shapes, strict=True)):
-            w.writerow([f"job-{i:05d}", int(start), int(_clip(median * shape)), g])
+        w.writerow(["job_id", "start_s", "duration_s", "num_gpus", "user"])
+        for i, (start, g, shape, user) in enumerate(zip(starts, gpus, shapes, owners, strict=True)):
+            w.writerow([f"job-{i:05d}", int(start), int(_clip(median * shape)), g, user])
     return out
 
 
@@ -95,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=64, help="GPUs of the cluster the load is relative to (default 64)")
     p.add_argument("--load", type=float, default=3.0, help="offered load, in cluster capacities (default 3)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--users", type=int, default=USERS, help=f"users who submit (Zipf law; default {USERS})")
     a = p.parse_args(argv)
     try:
-        generate(a.out, a.jobs, a.days, a.gpus, a.load, a.seed)
+        generate(a.out, a.jobs, a.days, a.gpus, a.load, a.seed, a.users)
     except ValueError as e:
         print(f"python -m benchmarks.overload_trace: {e}", file=sys.stderr)
         return 2

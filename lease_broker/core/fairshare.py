@@ -1,7 +1,7 @@
 """Fair share: decayed past GPU-seconds per user (as Slurm's fair-share), computed from the store's history.
 
 Usage decays with a half-life: a GPU-second used ``h`` seconds ago counts half. The ended part is kept as a
-running total decayed to the last pass and fed by leases as they end (the GPU table lists them); running leases
+running total per user, decayed lazily (O(1) per pass) and fed by leases as they end (the GPU table lists them); running leases
 are added at each pass.
 Everything is derived from the lease store (granted_at/ended_at of every lease), so it survives restarts.
 """
@@ -25,12 +25,19 @@ def decayed(gpus: float, start: float, end: float, now: float, half_life: float)
 
 
 class FairShare:
-    """The decayed usage of ended leases per user, kept current incrementally."""
+    """The decayed usage of ended leases per user, kept current incrementally.
+
+    Each total is kept decayed to a reference time ``ref`` and scaled on the way out, so moving the clock costs
+    O(1), not a pass over every user who ever held a GPU; the reference moves forward (O(users), rarely) before
+    the factor grows large, as in :class:`RunningUsage`."""
+
+    REBASE_AFTER = 32.0  # half-lives
 
     def __init__(self, half_life: float) -> None:
         self.half_life = half_life
-        self.ended: dict[str, float] = {}
-        self.at: float | None = None  # when ``ended`` was last decayed; None = not loaded yet
+        self._at_ref: dict[str, float] = {}  # user -> decayed usage as of ``ref``
+        self.ref = 0.0
+        self.at: float | None = None  # the latest time seen; None = not loaded yet
 
     @property
     def loaded(self) -> bool:
@@ -38,19 +45,32 @@ class FairShare:
 
     def load(self, intervals: Iterable[tuple[str, float, float, float]], now: float) -> None:
         """(user, gpus, granted_at, ended_at) of every ended lease."""
-        self.ended = {}
+        self._at_ref, self.ref, self.at = {}, now, now
         for user, gpus, start, end in intervals:
             self.add(user, gpus, start, end, now)
-        self.at = now
 
     def decay_to(self, now: float) -> None:
-        if self.at is not None and self.half_life > 0 and now > self.at:
-            f = 2.0 ** (-(now - self.at) / self.half_life)
-            self.ended = {u: v * f for u, v in self.ended.items() if v * f > 1e-6}
         self.at = now if self.at is None else max(self.at, now)
+        if self.half_life > 0 and (self.at - self.ref) / self.half_life > self.REBASE_AFTER:
+            f = self._factor(self.at)
+            self._at_ref = {u: v * f for u, v in self._at_ref.items() if v * f > 1e-6}
+            self.ref = self.at
+
+    def _factor(self, now: float) -> float:
+        """What a GPU-second counted at ``ref`` counts at ``now``."""
+        return 2.0 ** (-(now - self.ref) / self.half_life) if self.half_life > 0 else 1.0
 
     def add(self, user: str, gpus: float, start: float, end: float, now: float) -> None:
-        self.ended[user] = self.ended.get(user, 0.0) + decayed(gpus, start, end, now, self.half_life)
+        self.decay_to(now)
+        value = decayed(gpus, start, end, now, self.half_life) / self._factor(now)
+        self._at_ref[user] = self._at_ref.get(user, 0.0) + value
+
+    def of(self, users: Iterable[str] | None = None) -> dict[str, float]:
+        """The ended usage of ``users`` (everyone's when None) decayed to the latest time seen."""
+        f = self._factor(self.at if self.at is not None else self.ref)
+        if users is None:
+            return {u: v * f for u, v in self._at_ref.items()}
+        return {u: self._at_ref[u] * f for u in users if u in self._at_ref}
 
 
 class RunningUsage:

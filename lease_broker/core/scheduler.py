@@ -16,69 +16,19 @@ last, into GPUs nobody waiting needs.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .gpufit import Aliases, TypeRoom, constrained, fit_rule
-from .lease import LeaseRequest
+from .gpufit import TypeRoom, constrained, fit_rule
+from .pass_types import Decision, Grant, Growing, Pending, Reservation, SchedulerPolicy
 from .reservation_windows import Window, WindowMap
 from .slots import Slot, SlotIndex, pick_connected
 
-__all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "schedule",
-           "queue_order", "pick_connected"]
+__all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "Reservation",
+           "schedule", "queue_order", "pick_connected"]
 
 INF = math.inf
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    lease_id: str
-    user: str
-    request: LeaseRequest
-    seq: int
-    duration: float  # effective lease duration (policy applied)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grant:
-    lease_id: str
-    gpu_ids: tuple[str, ...]
-    node: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerPolicy:
-    priority_ranks: Mapping[str, int] = dataclasses.field(
-        default_factory=lambda: {"low": 0, "normal": 10, "high": 20}
-    )
-    user_cap: Callable[[str], float] = lambda user: 0.0  # max GPUs held at once; 0 = unlimited
-    max_shares_per_gpu: float = 1.0
-    max_leases_per_shared_gpu: int = 4
-    backfill_depth: int = 8
-    groups_of: Callable[[str], Sequence[str]] = lambda user: ()
-    group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
-    gpu_types: Aliases = ()  # admin-configured GPU type names (gpufit.aliases_of)
-    type_caps: Callable[[str], Mapping[str, float]] = lambda user: {}  # GPUs of a type a user may hold at once
-
-
-@dataclasses.dataclass(frozen=True)
-class Growing:
-    """A holding incremental lease (min_gpus < max_gpus) that may grow toward max_gpus until ``end``."""
-
-    pending: Pending  # its user, request and arrival; ``duration``: GPU-seconds charged per added GPU
-    devices: tuple[str, ...]
-    end: float
-
-
-@dataclasses.dataclass
-class Decision:
-    grants: list[Grant] = dataclasses.field(default_factory=list)
-    planned_start: dict[str, float] = dataclasses.field(default_factory=dict)  # lease id -> estimate
-    order: list[str] = dataclasses.field(default_factory=list)  # queue order, lease ids
-    reserved: dict[str, str] = dataclasses.field(default_factory=dict)  # GPU id -> advance reservation id
-    grown: list[Grant] = dataclasses.field(default_factory=list)  # GPUs added to holding incremental leases
 
 
 def queue_order(
@@ -102,11 +52,17 @@ def schedule(
     reservations: Sequence[Window] = (),
     growing: Sequence[Growing] = (),
     ordered: bool = False,
+    plan: Mapping[str, Reservation] | None = None,
+    all_exclusive: bool = False,
 ) -> Decision:
     """``usage``: fair-share usage per user (already divided by weight); ``budget``: GPU-seconds each user or
     ``"@group"`` may still be granted today (absent = unlimited); ``reservations``: advance reservations;
     ``growing``: holding incremental leases, which grow last (never into GPUs that waiting requests plan on);
-    ``ordered``: ``pending`` is already in queue order (the broker's queue keeps it so)."""
+    ``ordered``: ``pending`` is already in queue order (the broker's queue keeps it so); ``plan``: an earlier
+    pass's reservations (``Decision.plan``), kept for the blocked requests whose GPUs still hold for them instead
+    of planning them again (the event passes do; the full pass plans afresh); ``all_exclusive``: no request in
+    ``pending`` is shared, so once no GPU is idle and the plan is made nothing further can start: the pass stops
+    there instead of walking the rest of a deep queue."""
     # a fork copies only the slots the pass changes: the caller's slots and index are left untouched
     ix = slots.fork() if isinstance(slots, SlotIndex) else SlotIndex(slots).fork()
     state = _State(ix, dict(held_by_user), policy, now)
@@ -121,13 +77,16 @@ def schedule(
     # end no sooner cannot fit either (GPUs only get taken and reserved within a pass). Not with advance
     # reservations, whose GPUs depend on who asks.
     no_fit: dict[tuple[int, str, str, int], float] = {}
+    depth, ix = policy.backfill_depth, state.ix
     for p in (pending if ordered else queue_order(pending, policy, usage)):
-        decision.order.append(p.lease_id)
         req = p.request
-        if not req.shared and state.idle_count < req.min_gpus and blocked >= policy.backfill_depth:
+        shared = req.shared
+        if blocked >= depth and not shared and ix.idle_total < req.min_gpus:
+            if all_exclusive and not ix.idle_total:
+                break  # nothing idle, nothing shared, the plan made: nobody further back can start
             continue  # no GPU for it and no plan to make: skipping keeps a pass cheap with a long queue
         end = now + p.duration
-        if req.shared:
+        if shared:
             grant = state.place_shared(p, end)
         elif end >= no_fit.get((req.min_gpus, req.locality, req.gpu_type, req.gpu_mem), INF):
             grant = None
@@ -140,10 +99,13 @@ def schedule(
             decision.grants.append(grant)
             decision.planned_start[p.lease_id] = now
             continue
-        if blocked < policy.backfill_depth and state.within_cap(p, req.fraction if req.shared else req.min_gpus):
-            start = state.reserve(p)
-            if start < INF:
-                decision.planned_start[p.lease_id] = start
+        if blocked < depth and state.within_cap(p, req.fraction if shared else req.min_gpus):
+            kept = plan.get(p.lease_id) if plan else None
+            r = kept if kept is not None and state.still_holds(kept) else state.reserve(p)
+            if r is not None:
+                state.book(r)
+                decision.planned_start[p.lease_id] = r.start
+                decision.plan[p.lease_id] = r
             blocked += 1
     by_id = {g.pending.lease_id: g for g in growing}
     for p in queue_order([g.pending for g in growing], policy, usage):
@@ -314,9 +276,26 @@ class _State:
         self._charge(p, len(chosen), chosen)
         return Grant(p.lease_id, tuple(s.id for s in chosen), ",".join(sorted(nodes | {s.node for s in chosen})))
 
-    def reserve(self, p: Pending) -> float:
-        """Plan the earliest start of a blocked request and reserve those GPUs (a whole one for a shared request:
-        it may then start on a GPU that others share, or on that one)."""
+    def still_holds(self, r: Reservation) -> bool:
+        """Whether an earlier pass's reservation still stands: its GPUs are still here, none is held past its
+        start (a renewal) or planned for an earlier request of this pass, and its start has not passed."""
+        if r.start < self.now or self.windows.of:
+            return False
+        for gid in r.gpu_ids:
+            s = self.by_id.get(gid)
+            if s is None or (not s.idle and s.free_at > r.start) or self.busy_until.get(gid, self.now) > r.start:
+                return False
+        return True
+
+    def book(self, r: Reservation) -> None:
+        """Hold a reservation's GPUs: later requests of this pass may use them only if they end first."""
+        for gid in r.gpu_ids:
+            self.reserved_from[gid] = min(self.reserved_from.get(gid, INF), r.start)
+            self.busy_until[gid] = max(self.busy_until.get(gid, 0.0), r.end)
+
+    def reserve(self, p: Pending) -> Reservation | None:
+        """Plan the earliest start of a blocked request on the GPUs that free soonest (a whole one for a shared
+        request: it may then start on a GPU that others share, or on that one); None: no GPUs ever will."""
         k = 1 if p.request.shared else p.request.min_gpus
         best: tuple[float, list[Slot]] = (INF, [])
 
@@ -341,11 +320,7 @@ class _State:
             if start < best[0]:
                 best = (start, times)
         start, chosen = best
-        if start < INF:
-            for s in chosen:
-                self.reserved_from[s.id] = min(self.reserved_from.get(s.id, INF), start)
-                self.busy_until[s.id] = max(self.busy_until.get(s.id, 0.0), start + p.duration)
-        return start
+        return Reservation(start, tuple(s.id for s in chosen), start + p.duration) if start < INF else None
 
     # --- shared ----------------------------------------------------------------------------
     def place_shared(self, p: Pending, end: float) -> Grant | None:

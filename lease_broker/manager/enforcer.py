@@ -141,9 +141,9 @@ class Enforcer:
         self.watch.check(now)
         self._drain(now)
         self.pressure = self._pressure()
-        for lease in list(self.state.leases.values()):
+        for lease in list(self.state.holding()):
             if lease.state not in HOLDING:
-                continue
+                continue  # ended during this tick (an end hands GPUs on at once without a loop: a preemption)
             if lease.expires_at is not None and now >= lease.expires_at:
                 ops.end(lease, LeaseState.EXPIRED, "expired")
                 continue

@@ -338,11 +338,9 @@ class LeaseManager:
             return 0
         pending, full = self.planning.select(now)
         decision = schedule(pending, self.enforcer.slot_index(now), self.state.table.held_by_user, now=now,
-                            **self.planning.options(now, pending, growable))
-        if full:
-            self.state.planned = dict(decision.planned_start)
-        else:
-            self.state.planned.update(decision.planned_start)
+                            **self.planning.options(now, growable))
+        self.planning.plan = decision.plan
+        self.state.planned = dict(decision.planned_start) if full else {**self.state.planned, **decision.planned_start}
         for grant in decision.grants:
             lease = self.leases[grant.lease_id]
             self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,

@@ -3,10 +3,11 @@ reservation windows and the incremental leases that may grow."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from ..core.lease import Lease
-from ..core.scheduler import Growing, Pending
+from ..core.scheduler import Growing, Pending, Reservation
 from ..policy.lease_policy import LeasePolicy
 from ..policy.limits import DAY
 from .quotas import Quotas
@@ -27,29 +28,31 @@ class Planning:
         self.arrived: list[str] = []  # queued since the last pass: the next event pass looks at them
         self.last_full = -1e18  # when the last full pass ran
         self.full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
+        self.plan: dict[str, Reservation] = {}  # the latest pass's reservations: event passes keep what holds
 
-    def select(self, now: float) -> tuple[list[Pending], bool]:
+    def select(self, now: float) -> tuple[Iterable[Pending], bool]:
         """The requests the next pass looks at, in queue order, and whether it is a full pass.
 
         The event pass (a request, a release, a tick) looks at the head of the queue (``queue_depth``), the first
-        request of each shape further back and the requests that arrived since the last pass: its cost does not
-        grow with the queue. The full pass looks at every request with fresh fair-share scores and estimates
+        request of each shape further back and the requests that arrived since the last pass, and keeps the
+        reservations of the last pass that still hold (``plan``): its cost does not grow with the queue. The full pass looks at every request with fresh fair-share scores and estimates
         every start; it runs every ``full_pass_seconds`` and when ``full_due``.
         """
         q = self.state.queue
         arrived, self.arrived = self.arrived, []
         full = self.full_due or now - self.last_full >= self.policy.full_pass_seconds
         if full:
-            self.last_full, self.full_due = now, False
+            self.last_full, self.full_due, self.plan = now, False, {}  # plans every reservation afresh
             if len(q):  # (no usage to load for an empty queue: a restart with no request waiting skips it)
-                scores = self.scores(now, {p.user for p in q})
+                scores = self.scores(now, q.users())
                 q.rescore(scores.__getitem__)
-            return list(q), True
+            return iter(q), True
         depth = self.policy.queue_depth
         pending = q.head(depth)
         if len(q) > depth:
-            late = [p for lid in arrived if (p := q.get(lid)) is not None and (q.position(lid) or 0) > depth]
-            pending += q.in_order(q.shape_heads(depth) + late)
+            seen = {p.lease_id for p in pending}
+            late = [p for lid in arrived if lid not in seen and (p := q.get(lid)) is not None]
+            pending += q.in_order(q.shape_heads(pending[-1]) + late)
         return pending, False
 
     def scores(self, now: float, users: set[str]) -> dict[str, float]:
@@ -63,9 +66,9 @@ class Planning:
         return [lease for lease in self.state.table.growable.values()
                 if (lease.expires_at or 0.0) > now and self.placements.placement(lease) is None]
 
-    def options(self, now: float, pending: list[Pending], growable: list[Lease]) -> dict[str, Any]:
+    def options(self, now: float, growable: list[Lease]) -> dict[str, Any]:
         """Keyword arguments of scheduler.schedule() beyond pending (in queue order), slots and held: the policy
-        and its inputs, for the users of ``pending`` and ``growable`` only."""
+        and its inputs, for the users of the queue and of ``growable`` only."""
         cutoff = now - DAY
         growing = [  # an added GPU is charged (daily quota) as the store counts it: from the grant to the end
             Growing(Pending(lease.id, lease.user, lease.request, lease.seq,
@@ -73,7 +76,8 @@ class Planning:
                     tuple(lease.devices), lease.expires_at or now)
             for lease in growable]
         grower_users = {g.pending.user for g in growing}
-        users = {p.user for p in pending} | grower_users
+        users = self.state.queue.users() | grower_users
         return {"policy": self.policy.scheduler_policy(), "usage": self.scores(now, grower_users) if growing else {},
                 "budget": self.quotas.day_budget(now, users), "reservations": self.reservations.windows(now),
-                "growing": growing, "ordered": True}
+                "growing": growing, "ordered": True, "plan": self.plan,
+                "all_exclusive": self.state.queue.all_exclusive()}

@@ -42,7 +42,7 @@ class Usage:
                 if granted_at is not None and ended_at is not None:
                     fs.add(user, gpus, granted_at, ended_at, now=now)
         fs.decay_to(now)
-        usage = dict(fs.ended) if users is None else {u: fs.ended[u] for u in users if u in fs.ended}
+        usage = fs.of(users)
         for user, running in table.running_usage(table.holding_by_user if users is None else users, now,
                                                  fs.half_life).items():
             usage[user] = usage.get(user, 0.0) + running

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import Any
 
 from ..core.lease import Lease
 from ..inventory.simulated import SimulatedInventory, parse_cluster
@@ -38,9 +39,9 @@ class Cluster:
 
     def inventory(self) -> SimulatedInventory:
         """The simulated inventory of this cluster's shape."""
-        if self.spec:
-            return SimulatedInventory(cluster=self.spec, node_name="sim-node-0", link_group_size=0)
-        return SimulatedInventory(gpus=self.total, nodes=self.nodes, node_name="sim-node-0", link_group_size=0)
+        shape: dict[str, Any] = {"cluster": self.spec} if self.spec else {"gpus": self.total, "nodes": self.nodes}
+        # no processes run in a replay: nothing to sample
+        return SimulatedInventory(**shape, node_name="sim-node-0", link_group_size=0, simulate_usage=False)
 
     def __str__(self) -> str:
         return self.spec or f"{self.nodes}x{self.gpus_per_node}"

@@ -87,7 +87,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         m, now = self.m, self.clock.now()
         pending = list(m.state.queue)
         decision = schedule(pending, m.enforcer.slot_index(now), m.state.table.held_by_user, now=now,
-                            **m.planning.options(now, pending, m.planning.growable(now)))
+                            **m.planning.options(now, m.planning.growable(now)))
         assert lease.id not in {g.lease_id for g in decision.grants}, (lease.id, lease.request, len(pending))
 
     @precondition(lambda self: bool(self.m.leases))

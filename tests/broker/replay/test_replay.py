@@ -314,6 +314,12 @@ def test_overload_trace_is_deterministic_and_has_its_mix_and_load(tmp_path):
     hour = [int(x.start % 86400 // 3600) for x in bursts]
     afternoon, night = sum(1 for h in hour if 12 <= h < 18), sum(1 for h in hour if 0 <= h < 6)
     assert afternoon > 2 * night  # the daily cycle peaks in the afternoon
+    jobs_of: dict[str, int] = {}
+    for x in bursts:
+        jobs_of[x.user] = jobs_of.get(x.user, 0) + 1
+    ranked = sorted(jobs_of.values(), reverse=True)
+    assert 40 <= len(ranked) <= 60 and all(u.startswith("user") for u in jobs_of)  # 60 users, Zipf: a few heavy
+    assert 0.15 < ranked[0] / 2000 < 0.35 and sum(ranked[:5]) / 2000 > 0.45
 
 
 def test_overload_trace_command_and_bad_arguments(tmp_path):

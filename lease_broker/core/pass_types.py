@@ -1,0 +1,69 @@
+"""What a scheduling pass takes and gives: the queued requests, the policy, the grants and the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from .gpufit import Aliases
+from .lease import LeaseRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    lease_id: str
+    user: str
+    request: LeaseRequest
+    seq: int
+    duration: float  # effective lease duration (policy applied)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    lease_id: str
+    gpu_ids: tuple[str, ...]
+    node: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerPolicy:
+    priority_ranks: Mapping[str, int] = dataclasses.field(
+        default_factory=lambda: {"low": 0, "normal": 10, "high": 20}
+    )
+    user_cap: Callable[[str], float] = lambda user: 0.0  # max GPUs held at once; 0 = unlimited
+    max_shares_per_gpu: float = 1.0
+    max_leases_per_shared_gpu: int = 4
+    backfill_depth: int = 8
+    groups_of: Callable[[str], Sequence[str]] = lambda user: ()
+    group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
+    gpu_types: Aliases = ()  # admin-configured GPU type names (gpufit.aliases_of)
+    type_caps: Callable[[str], Mapping[str, float]] = lambda user: {}  # GPUs of a type a user may hold at once
+
+
+@dataclasses.dataclass(frozen=True)
+class Growing:
+    """A holding incremental lease (min_gpus < max_gpus) that may grow toward max_gpus until ``end``."""
+
+    pending: Pending  # its user, request and arrival; ``duration``: GPU-seconds charged per added GPU
+    devices: tuple[str, ...]
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """Where and when a blocked request is planned to start: these GPUs are held for it from ``start`` to ``end``
+    (later requests may use them only if they end first). A pass hands its reservations to the next event passes,
+    which keep them while they still hold instead of planning again (``schedule(plan=...)``)."""
+
+    start: float
+    gpu_ids: tuple[str, ...]
+    end: float
+
+
+@dataclasses.dataclass
+class Decision:
+    grants: list[Grant] = dataclasses.field(default_factory=list)
+    planned_start: dict[str, float] = dataclasses.field(default_factory=dict)  # lease id -> estimate
+    reserved: dict[str, str] = dataclasses.field(default_factory=dict)  # GPU id -> advance reservation id
+    grown: list[Grant] = dataclasses.field(default_factory=list)  # GPUs added to holding incremental leases
+    plan: dict[str, Reservation] = dataclasses.field(default_factory=dict)  # blocked lease id -> its reservation
