@@ -15,10 +15,11 @@ from .trace import Trace, TraceError, check_fits
 
 def replay(
     trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0,
-    progress: Progress | None = None,
+    progress: Progress | None = None, limits: str = "oracle",
 ) -> Run:
     """Replay ``trace`` on ``cluster`` under ``policy``: ``mode`` is ``lease`` or ``session``; ``progress``
-    is called now and then with the mode and the work items (bursts, or sessions) done of the total."""
+    is called now and then with the mode and the work items (bursts, or sessions) done of the total; ``limits``:
+    the time limits the lease mode's requests ask for (``sim.LIMITS``)."""
     policy = policy or LeasePolicy()
     check_fits(trace, cluster.total)
     if not trace.bursts:
@@ -30,7 +31,7 @@ def replay(
     try:
         sim: _Sim
         if mode == "lease":
-            sim = _LeaseSim(trace, cluster, policy, idle)
+            sim = _LeaseSim(trace, cluster, policy, idle, limits)
         elif mode == "session":
             sim = SessionSim(trace, cluster, policy)
         else:
