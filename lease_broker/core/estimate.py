@@ -1,34 +1,43 @@
 """When a queued request will likely start, from what the holders of GPUs are likely to do.
 
-Pure: the holders' expected ends, the GPUs, the requests ahead and the time are passed in; no I/O, no clock.
+Pure: the holders' likely ends, the GPUs, the requests ahead and the time are passed in; no I/O, no clock.
 
-A holding lease's end is a :class:`Span` (low, likely, high), never past its time limit: an idle lease ends at its
-idle deadline; an active one after the remaining time of similar finished leases that ran at least as long as it
-has (:func:`remaining`: quantiles of ``d - elapsed`` over the past durations ``d > elapsed``). A queued request's
-start is then a greedy walk (:func:`starts`), once for each of the three scenarios: each request ahead, in queue
-order, takes the GPUs where it can start first on one node (any GPUs with locality ``any``) and holds them for
-its own duration in that scenario (similar past leases, within its time limit); then the request itself. A short
-request may start on GPUs a request ahead will take later, if it ends first (the scheduler's backfill).
+A holding lease's end is a small distribution (sorted possible end times), never past its time limit: an idle
+lease ends at its idle deadline; an active one after the remaining time of similar leases that ran at least as
+long as it has (:func:`remaining`: ``d - elapsed`` over the past durations ``d > elapsed``); with no such history,
+the Lindy rule (about as long again as it has run). A queued request's start then comes from a greedy walk
+(:func:`starts`) over samples of those ends: in each sample every holder ends at one of its possible ends and
+every request ahead, in queue order, takes the GPUs where it can start first on one node (any GPUs with locality
+``any``) for one of its possible durations, then the request itself; a short request may start on GPUs a request
+ahead takes later if it ends first (the scheduler's backfill). Sampling each holder on its own matters: a gang
+waits for the last of several holders to end, one GPU for the first. The samples give the range (10th to 90th
+percentile) and the likely start: one within 2x of the most samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 INF = math.inf
-
-#: Quantiles of the remaining time read as the range's low, likely and high ends.
-QUANTILES = (0.25, 0.5, 0.75)
-#: Past durations (beyond the elapsed time) a history level needs before its quantiles are trusted.
+#: Past durations (beyond the elapsed time) a history level needs before it is used.
 MIN_SAMPLES = 4
+#: Samples of the holders' ends and the durations ahead that each estimate walks.
+SAMPLES = 32
+#: The quantiles of the sampled starts shown as the range.
+RANGE = (0.1, 0.9)
+#: Waits shorter than this many seconds are all "now" to a user (no estimate is finer).
+TINY_WAIT = 30.0
+
+Ends = tuple[float, ...]  # possible end times (or durations), sorted; one value: known
 
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """A time (or a duration) as a range: ``low <= likely <= high``."""
+    """A time as a range: ``low <= likely <= high``."""
 
     low: float
     likely: float
@@ -38,38 +47,12 @@ class Span:
     def exactly(cls, t: float) -> Span:
         return cls(t, t, t)
 
-    def __getitem__(self, i: int) -> float:
-        return (self.low, self.likely, self.high)[i]
 
-    def shift(self, by: float) -> Span:
-        return Span(self.low + by, self.likely + by, self.high + by)
-
-    def cap(self, limit: float | None) -> Span:
-        """Never past ``limit`` (None: no limit)."""
-        if limit is None:
-            return self
-        return Span(min(self.low, limit), min(self.likely, limit), min(self.high, limit))
-
-    def floor(self, at: float) -> Span:
-        """Never before ``at``."""
-        return Span(max(self.low, at), max(self.likely, at), max(self.high, at))
-
-
-def quantile(xs: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks of sorted ``xs`` (numpy's default)."""
-    pos = (len(xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def remaining(durations: Iterable[float], elapsed: float, min_samples: int = MIN_SAMPLES) -> Span | None:
+def remaining(durations: Iterable[float], elapsed: float, min_samples: int = MIN_SAMPLES) -> Ends | None:
     """How much longer something that has run ``elapsed`` seconds will run, from the durations of similar past
     ones that ran longer (the conditional remaining time); None when fewer than ``min_samples`` did."""
-    left = sorted(d - elapsed for d in durations if d > elapsed)
-    if len(left) < max(1, min_samples):
-        return None
-    return Span(*(quantile(left, q) for q in QUANTILES))
+    left = tuple(sorted(d - elapsed for d in durations if d > elapsed))
+    return left if len(left) >= max(1, min_samples) else None
 
 
 class History:
@@ -95,10 +78,14 @@ class History:
     def get(self, key: Hashable) -> Sequence[float]:
         return self._by_key.get(key, ())
 
-    def remaining(self, keys: Iterable[Hashable], elapsed: float) -> Span | None:
-        """The remaining time from the most specific key with enough durations beyond ``elapsed``."""
+    def remaining(self, keys: Iterable[Hashable], elapsed: float,
+                  running: Mapping[Hashable, Sequence[float]] | None = None) -> Ends | None:
+        """The remaining time from the most specific key with enough durations beyond ``elapsed``. ``running``:
+        how long the leases of each key that still hold have run so far; they count as durations at least that
+        long (otherwise the long ones, still running, would be missing and every estimate too short)."""
         for key in keys:
-            left = remaining(self.get(key), elapsed)
+            now_running = running.get(key, ()) if running is not None else ()
+            left = remaining([*self.get(key), *now_running], elapsed)
             if left is not None:
                 return left
         return None
@@ -108,56 +95,105 @@ class History:
 
 
 def holder_end(now: float, *, granted_at: float, expires_at: float | None, idle_deadline: float | None,
-               remaining_time: Span | None) -> Span:
+               remaining_time: Ends | None) -> Ends:
     """When a holding lease will likely end: its idle deadline while it is idle; else ``now`` plus the
     remaining time of similar leases (None, none ran as long: as long again as it has run, the Lindy rule,
     from half that to twice that); never past its time limit ``expires_at``, never before ``now``."""
     if idle_deadline is not None:
-        end = Span.exactly(idle_deadline)
+        ends: Iterable[float] = (idle_deadline,)
     elif remaining_time is not None:
-        end = remaining_time.shift(now)
+        ends = (now + r for r in remaining_time)
     else:
         ran = max(now - granted_at, 0.0)
-        end = Span(now + ran / 2, now + ran, now + 2 * ran)
-    return end.cap(expires_at).floor(now)
+        ends = (now + ran / 2, now + ran, now + 2 * ran)
+    limit = INF if expires_at is None else expires_at
+    return tuple(sorted(max(now, min(t, limit)) for t in ends))
 
 
 @dataclasses.dataclass(frozen=True)
 class Need:
     """A queued request as the walk sees it: whole GPUs (``gpus``; a shared request counts as one), on one
-    node (``locality`` "node") or any, held for ``duration`` once started."""
+    node (``locality`` "node") or any, held for one of ``durations`` once started; ``key`` names it in the
+    sampling (a stable id: its lease id)."""
 
     gpus: int
     locality: str = "node"
-    duration: Span = Span(0.0, 0.0, 0.0)
+    durations: Ends = (0.0,)
+    key: str = ""
 
 
-def starts(now: float, nodes: Mapping[str, Sequence[str]], free_at: Mapping[str, Span],
-           queue: Sequence[Need]) -> list[Span | None]:
-    """The likely start of each request of ``queue`` (in queue order) as a Span, None where it cannot fit.
+def starts(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, Sequence[str]],
+           ends: Mapping[str, Ends], queue: Sequence[Need], samples: int = SAMPLES) -> list[Span | None]:
+    """The likely start of each request of ``queue`` (in queue order), None where it cannot fit.
 
-    ``nodes``: node -> its GPU ids; ``free_at``: GPU id -> when it frees (absent: free now; INF: never). It is
-    read only for GPUs the walk must compare (a node with enough GPUs free now needs none), so it may compute
-    lazily. Each scenario (low, likely, high ends and durations) is walked on its own; the range is then made
-    to hold the likely start (a greedy walk is not monotone in every case)."""
-    walks = [_walk(now, nodes, free_at, queue, scenario) for scenario in range(3)]
+    ``nodes``: node -> its GPU ids; ``holders``: GPU id -> the ids of what holds it (absent: free now);
+    ``ends``: holder id -> its possible ends (``(INF,)``: never). ``ends`` is read only for GPUs a walk must
+    compare (a node with enough GPUs free now needs none), so it may compute lazily. The samples are
+    stratified: each holder and each request gets every quantile once, in its own order (from its id), so the
+    result depends on the inputs only."""
+    n = max(1, samples)
+    walks = [_walk(now, nodes, holders, ends, queue, j, n) for j in range(n)]
     out: list[Span | None] = []
-    for low, likely, high in zip(*walks, strict=True):
-        out.append(None if likely == INF else Span(min(low, likely), likely, max(high, likely)))
+    for i in range(len(queue)):
+        got = sorted(w[i] - now for w in walks)
+        if got[-1] == INF:  # it cannot fit in some samples (a GPU that never frees): no estimate
+            out.append(None)
+            continue
+        low, likely, high = _quantile(got, RANGE[0]), likely_wait(got), _quantile(got, RANGE[1])
+        out.append(Span(now + min(low, likely), now + likely, now + max(high, likely)))
     return out
 
 
-def _walk(now: float, nodes: Mapping[str, Sequence[str]], free_at: Mapping[str, Span], queue: Sequence[Need],
-          scenario: int) -> list[float]:
-    """One scenario: each request in turn gets the GPUs where it can start first and run its duration without
-    overlapping what the requests before it got (so a short one may go before a gang that waits: backfill)."""
+def likely_wait(waits: Sequence[float], tiny: float = TINY_WAIT) -> float:
+    """The wait within 2x of the most of these sorted sample waits (waits under ``tiny`` count as ``tiny``, and a
+    likely wait that short is 0): twice the start of the fullest window [w, 4w], the latest wait within 2x of all
+    of it (the samples lean early: holders renew, later requests may go first)."""
+    xs = [max(w, tiny) for w in waits]
+    best, at, j = 0, xs[0], 0
+    for i, x in enumerate(xs):
+        j = max(j, i)
+        while j + 1 < len(xs) and xs[j + 1] <= 4 * x:
+            j += 1
+        if j - i + 1 > best:
+            best, at = j - i + 1, x
+    return 0.0 if at <= tiny and waits[len(waits) // 2] < tiny else 2 * at
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    pos = (len(xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _pick(values: Ends, key: str, j: int, n: int) -> float:
+    """Sample ``j`` of ``n`` of ``values``: stratum ``j``, rotated by the key's own offset."""
+    if len(values) == 1:
+        return values[0]
+    u = ((j + 0.5) / n + (zlib.crc32(key.encode()) % 1009) / 1009.0) % 1.0
+    return values[min(int(u * len(values)), len(values) - 1)]
+
+
+def _walk(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, Sequence[str]],
+          ends: Mapping[str, Ends], queue: Sequence[Need], j: int, n: int) -> list[float]:
+    """One sample: each request in turn gets the GPUs where it can start first and run its duration without
+    overlapping what the requests before it got."""
     busy: dict[str, list[tuple[float, float]]] = {}  # GPU -> the (start, end) the walk gave it to so far
+    touched: set[str] = set()  # nodes with GPUs the walk gave away
+    holder_end: dict[str, float] = {}
     base: dict[str, float] = {}
+    kth: dict[str, list[float]] = {}  # an untouched node's GPUs' free times, sorted
 
     def ready(g: str) -> float:
         r = base.get(g)
         if r is None:
-            r = base[g] = max(now, free_at[g][scenario]) if g in free_at else now
+            r = now
+            for h in holders.get(g, ()):
+                t = holder_end.get(h)
+                if t is None:
+                    t = holder_end[h] = max(now, _pick(ends[h], h, j, n))
+                r = max(r, t)
+            base[g] = r
         return r
 
     def free_for(g: str, t: float, d: float) -> bool:
@@ -165,28 +201,42 @@ def _walk(now: float, nodes: Mapping[str, Sequence[str]], free_at: Mapping[str, 
 
     out = []
     for need in queue:
-        k, d = max(1, need.gpus), max(need.duration[scenario], 0.0)
-        groups: Iterable[Sequence[str]] = nodes.values()
+        k, d = max(1, need.gpus), max(_pick(need.durations, need.key or "?", j, n), 0.0)
+        groups: Iterable[tuple[str, Sequence[str]]] = nodes.items()
         if need.locality == "any":
-            groups = [[g for members in nodes.values() for g in members]]
-        best: tuple[float, Sequence[str]] = (INF, ())
-        for members in groups:
+            groups = [("", [g for members in nodes.values() for g in members])]
+        best: tuple[float, Sequence[str], str] = (INF, (), "")
+        for node, members in groups:
             if len(members) < k:
                 continue
-            now_free = [g for g in members if g not in free_at and free_for(g, now, d)]
+            now_free = [g for g in members if g not in holders and free_for(g, now, d)]
             if len(now_free) >= k:  # nothing starts sooner: the other GPUs' ends need not be known
-                best = (now, now_free[:k])
+                best = (now, now_free[:k], node)
                 break
-            times = sorted({ready(g) for g in members} | {e for g in members for _, e in busy.get(g, ())})
-            for t in times:
-                if t >= best[0] or t == INF:
+            if node and node not in touched:  # nothing given away here: the k-th GPU to free
+                times = kth.get(node)
+                if times is None:
+                    times = kth[node] = sorted(ready(g) for g in members)
+                if times[k - 1] < best[0]:
+                    best = (times[k - 1], sorted(members, key=ready)[:k], node)
+                continue
+            for t in sorted({ready(g) for g in members} | {e for g in members for _, e in busy.get(g, ())}):
+                if t >= best[0]:
                     break
                 fit = [g for g in members if free_for(g, t, d)]
                 if len(fit) >= k:
-                    best = (t, fit[:k])
+                    best = (t, fit[:k], node)
                     break
-        start, chosen = best
+        start, chosen, node = best
         out.append(start)
         for g in chosen:
             busy.setdefault(g, []).append((start, start + d))
+        if chosen:
+            touched.update(nodes_of(nodes, chosen) if not node else (node,))
     return out
+
+
+def nodes_of(nodes: Mapping[str, Sequence[str]], gpus: Sequence[str]) -> set[str]:
+    """The nodes of these GPUs."""
+    want = set(gpus)
+    return {node for node, members in nodes.items() if want.intersection(members)}

@@ -9,10 +9,10 @@ its idle deadline (the enforcer's, pressure included), an active one after the r
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from ..core.estimate import INF, History, Need, Span, holder_end, starts
+from ..core.estimate import INF, Ends, History, Need, Span, holder_end, starts
 from ..core.lease import Lease, LeaseRequest, LeaseState
 from ..core.scheduler import Pending
 from ..policy.lease_policy import LeasePolicy
@@ -48,6 +48,7 @@ class Estimates:
         self.state, self.policy, self.holders = state, policy, holders
         self.history = History()
         self._nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (the GPU list, node -> its GPU ids)
+        self._last: tuple[float, tuple[str, ...], dict[str, Span]] = (-INF, (), {})  # the last walk of the head
 
     def ended(self, lease: Lease) -> None:
         """A lease ended: how long it held its GPUs joins the history (not a request that never got any)."""
@@ -59,88 +60,123 @@ class Estimates:
 
     def start(self, lease: Lease, now: float) -> Span | None:
         """A queued lease's likely start as a range; None when it is deeper than WALK_DEPTH or cannot fit."""
-        q = self.state.queue
-        position = q.position(lease.id)
+        position = self.state.queue.position(lease.id)
         if position is None or position > WALK_DEPTH + 1:
             return None
-        ahead = q.head(position)
-        if not ahead or ahead[-1].lease_id != lease.id:
-            return None
-        return self._walk(ahead, now)[-1]
+        return self.queue(now).get(lease.id)
 
     def queue(self, now: float) -> dict[str, Span]:
-        """The likely start of each request at the head of the queue (the first WALK_DEPTH + 1), from one walk."""
+        """The likely start of each request at the head of the queue (the first WALK_DEPTH + 1), from one walk
+        (kept while the time and the head stay the same)."""
         head = self.state.queue.head(WALK_DEPTH + 1)
-        return {p.lease_id: s for p, s in zip(head, self._walk(head, now), strict=True) if s is not None}
+        ids = tuple(p.lease_id for p in head)
+        at, last_ids, last = self._last
+        if at == now and last_ids == ids:
+            return last
+        out = {p.lease_id: s for p, s in zip(head, self._walk(head, now), strict=True) if s is not None}
+        self._last = (now, ids, out)
+        return out
 
     # ------------------------------------------------------------------ the walk
     def _walk(self, pending: list[Pending], now: float) -> list[Span | None]:
+        if not pending:
+            return []
         gpus, nodes = self._nodes
         if gpus is not self.state.gpus:  # a new inventory
             nodes = {}
             for g in self.state.gpus:
                 nodes.setdefault(g.node, []).append(g.id)
             self._nodes = (self.state.gpus, nodes)
-        queue = [Need(1 if p.request.shared else p.request.min_gpus, p.request.locality, self._duration(p))
-                 for p in pending]
-        return starts(now, nodes, _FreeAt(self, now), queue)
+        ends = _Ends(self, now)
+        queue = [Need(1 if p.request.shared else p.request.min_gpus, p.request.locality, self._duration(p, ends),
+                      str(p.seq)) for p in pending]
+        return starts(now, nodes, _Holders(self), ends, queue)
 
-    def _duration(self, p: Pending) -> Span:
+    def _duration(self, p: Pending, ends: _Ends) -> Ends:
         """How long a queued request will likely hold its GPUs: similar past leases, within its time limit."""
-        left = self.history.remaining(history_keys(p.user, p.request.labels, _size(p.request)), 0.0)
-        if left is None:
-            return Span.exactly(p.duration)
-        return left.cap(p.duration)
+        keys = history_keys(p.user, p.request.labels, _size(p.request))
+        left = self.history.remaining(keys, 0.0, ends.running())
+        return (p.duration,) if left is None else tuple(min(d, p.duration) for d in left)
 
-    def lease_end(self, lease: Lease, now: float) -> Span:
-        """When a holding lease will likely end (``core.estimate.holder_end``)."""
+    def lease_end(self, lease: Lease, now: float, running: Mapping[Hashable, Sequence[float]] | None = None) -> Ends:
+        """When a holding lease will likely end (``core.estimate.holder_end``); ``running``: how long the holding
+        leases of each history key have run (``History.remaining``)."""
         idle_deadline = None
         timeout = self.holders.idle_timeout(lease)[0] if lease.idle_timeout_seconds else 0.0
         if timeout and (lease.state == LeaseState.IDLE or now - lease.last_activity >= self.policy.idle_mark_seconds):
             idle_deadline = lease.last_activity + timeout
         granted = lease.granted_at if lease.granted_at is not None else now
-        left = None if idle_deadline is not None else self.history.remaining(self.keys(lease), now - granted)
+        left = None
+        if idle_deadline is None:
+            left = self.history.remaining(self.keys(lease), now - granted, running)
         return holder_end(now, granted_at=granted, expires_at=lease.expires_at, idle_deadline=idle_deadline,
                           remaining_time=left)
 
 
-class _FreeAt(Mapping[str, Span]):
-    """GPU id -> when it frees, for the GPUs that are not free now; computed when the walk asks (and kept)."""
+class _Holders(Mapping[str, Sequence[str]]):
+    """GPU id -> what holds it: its leases (by arrival number: the sampling depends on the ids), or a drain (``drain:`` + GPU id), or nothing ever (``down:`` + GPU
+    id, unhealthy); GPUs free now are absent."""
 
-    def __init__(self, estimates: Estimates, now: float) -> None:
-        self.e, self.now = estimates, now
+    def __init__(self, estimates: Estimates) -> None:
         self.table = estimates.state.table
         self.draining, self.unhealthy = estimates.holders.draining, estimates.holders.unhealthy
-        self.ends: dict[str, Span] = {}  # lease id -> its end
-        self.gpus: dict[str, Span] = {}
 
     def __contains__(self, gpu_id: object) -> bool:
         return gpu_id in self.table.busy or gpu_id in self.draining or gpu_id in self.unhealthy
 
-    def __getitem__(self, gpu_id: str) -> Span:
-        span = self.gpus.get(gpu_id)
-        if span is None:
-            span = self.gpus[gpu_id] = self._free_at(gpu_id)
-        return span
-
-    def _free_at(self, gpu_id: str) -> Span:
+    def __getitem__(self, gpu_id: str) -> Sequence[str]:
         if gpu_id in self.unhealthy:
-            return Span.exactly(INF)
-        holders = self.table.holders.get(gpu_id, {})
-        if not holders:
-            if gpu_id in self.draining:
-                return Span.exactly(self.now + self.e.policy.term_timeout)
-            raise KeyError(gpu_id)
-        low = likely = high = 0.0
-        for lease in holders.values():  # an exclusive request waits for every holder of a shared GPU
-            end = self.ends.get(lease.id)
-            if end is None:
-                end = self.ends[lease.id] = self.e.lease_end(lease, self.now)
-            low, likely, high = max(low, end.low), max(likely, end.likely), max(high, end.high)
-        return Span(low, likely, high) if high < INF else Span.exactly(INF)
+            return ("down:" + gpu_id,)
+        held = self.table.holders.get(gpu_id)
+        if held:
+            return tuple(str(lease.seq) for lease in held.values())
+        if gpu_id in self.draining:
+            return ("drain:" + gpu_id,)
+        raise KeyError(gpu_id)
 
     def __iter__(self) -> Iterator[str]:
         return iter({*self.table.busy, *self.draining, *self.unhealthy})
 
     def __len__(self) -> int:
         return len({*self.table.busy, *self.draining, *self.unhealthy})
+
+
+class _Ends(Mapping[str, Ends]):
+    """Holder id (``_Holders``) -> its possible ends, computed when the walk first asks."""
+
+    def __init__(self, estimates: Estimates, now: float) -> None:
+        self.e, self.now = estimates, now
+        self._by_seq: dict[str, Lease] | None = None
+        self.ends: dict[str, Ends] = {}
+        self._running: dict[Hashable, list[float]] | None = None
+
+    def running(self) -> dict[Hashable, list[float]]:
+        """How long the holding leases of each history key have run so far (once per walk)."""
+        if self._running is None:
+            self._running = {}
+            for lease in self.e.state.holding():
+                if lease.granted_at is not None:
+                    for key in self.e.keys(lease):
+                        self._running.setdefault(key, []).append(self.now - lease.granted_at)
+        return self._running
+
+    def __getitem__(self, holder: str) -> Ends:
+        got = self.ends.get(holder)
+        if got is None:
+            got = self.ends[holder] = self._end(holder)
+        return got
+
+    def _end(self, holder: str) -> Ends:
+        if holder.startswith("down:"):
+            return (INF,)
+        if holder.startswith("drain:"):
+            return (self.now + self.e.policy.term_timeout,)
+        if self._by_seq is None:
+            self._by_seq = {str(lease.seq): lease for lease in self.e.state.holding()}
+        return self.e.lease_end(self._by_seq[holder], self.now, self.running())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ends)
+
+    def __len__(self) -> int:
+        return len(self.ends)

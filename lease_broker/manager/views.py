@@ -132,7 +132,9 @@ class Views:
         position = estimate = estimate_range = idle_deadline = max_expires_at = None
         if lease.state == LeaseState.QUEUED:
             position = state.queue.position(lease.id)
-            estimate, estimate_range = self.start(lease.id, self.estimates.start(lease, now))
+            # the range when someone asks (events carry the pass's plan: a request's event must stay cheap)
+            span = self.estimates.start(lease, now) if viewer is not None else None
+            estimate, estimate_range = self.start(lease.id, span)
         elif lease.state in HOLDING:
             if lease.idle_timeout_seconds:
                 idle_deadline = lease.last_activity + self.enforcer.idle_timeout(lease)[0]

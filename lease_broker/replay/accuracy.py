@@ -9,10 +9,10 @@ optimistic). A request told no estimate counts as not within 2× and has no rati
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .metrics import percentile
 from .model import Told
 
 FLOOR = 30.0  # seconds: estimates and waits shorter than this count as this long
@@ -26,7 +26,7 @@ def score(pairs: Iterable[tuple[float | None, float]]) -> dict[str, Any]:
     n = len(pairs)
     within = sum(1 for r in ratios if 0.5 <= r <= 2.0)
     return {"n": n, "with_estimate": len(ratios), "within_2x": within / n if n else float("nan"),
-            "median_ratio": percentile(ratios, 50), "under_half": sum(1 for r in ratios if r < 0.5) / n if n else
+            "median_ratio": statistics.median(ratios) if ratios else float("nan"), "under_half": sum(1 for r in ratios if r < 0.5) / n if n else
             float("nan")}
 
 
@@ -56,3 +56,19 @@ def accuracy(told: Sequence[Told]) -> dict[str, Any]:
         "in_range": inside / len(ranged) if ranged else float("nan"),
         "floor_s": FLOOR,
     }
+
+
+def describe(run_label: str, a: dict[str, Any]) -> str:
+    """One line of the figures of ``accuracy``."""
+    e, t = a["estimate"], a["time_limit"]
+
+    def pct(x: float) -> str:
+        return "-" if x != x else f"{100 * x:.0f}%"
+
+    def ratio(x: float) -> str:
+        return "-" if x != x else f"{x:.2f}"
+
+    return (f"{run_label}: start estimates of the {a['queued']} requests that queued: {pct(e['within_2x'])} within 2x "
+            f"of the real wait (median ratio est/real {ratio(e['median_ratio'])}, real start inside the range told "
+            f"{pct(a['in_range'])}); the time-limit plan of the same run: {pct(t['within_2x'])} within 2x (median "
+            f"{ratio(t['median_ratio'])}, {t['with_estimate']} of {t['n']} had one)")

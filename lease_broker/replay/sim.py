@@ -148,13 +148,13 @@ class _Sim:
         if gpus > 1:
             self.gangs_waiting += 1
         if lease.state == LeaseState.QUEUED:
-            self.told(lease)
+            self.told(lease, who)
         self.collect()
         return lease
 
-    def told(self, lease: Lease) -> None:
-        """What a request that queued was told at once: the estimate in its view, and the time-limit plan."""
-        view = self.m.view(lease)
+    def told(self, lease: Lease, who: Identity) -> None:
+        """What a request that queued was told at once (its owner's view), and the time-limit plan."""
+        view = self.m.view(lease, who)
         low, high = view["estimated_start_range"] or (None, None)
         self.run.told.append(Told(lease, view["estimated_start"], low, high, self.m.state.planned.get(lease.id)))
 
