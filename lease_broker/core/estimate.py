@@ -98,13 +98,13 @@ def holder_end(now: float, *, granted_at: float, expires_at: float | None, idle_
                remaining_time: Ends | None) -> Ends:
     """When a holding lease will likely end: its idle deadline while it is idle; else ``now`` plus the
     remaining time of similar leases (None, none ran as long: as long again as it has run, the Lindy rule,
-    from half that to twice that); never past its time limit ``expires_at``, never before ``now``."""
+    from half that to twice that, at least a minute); never past its time limit ``expires_at``, never before ``now``."""
     if idle_deadline is not None:
         ends: Iterable[float] = (idle_deadline,)
     elif remaining_time is not None:
         ends = (now + r for r in remaining_time)
     else:
-        ran = max(now - granted_at, 0.0)
+        ran = max(now - granted_at, 60.0)
         ends = (now + ran / 2, now + ran, now + 2 * ran)
     limit = INF if expires_at is None else expires_at
     return tuple(sorted(max(now, min(t, limit)) for t in ends))
