@@ -146,8 +146,8 @@ def starts(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str,
 
 def likely_wait(waits: Sequence[float], tiny: float = TINY_WAIT) -> float:
     """The wait within 2x of the most of these sorted sample waits (waits under ``tiny`` count as ``tiny``, and a
-    likely wait that short is 0): twice the start of the fullest window [w, 4w], the latest wait within 2x of all
-    of it (the samples lean early: holders renew, later requests may go first)."""
+    likely wait that short is 0): in the fullest window [w, 4w], its last sample or 2w if sooner, the latest wait
+    within 2x of all of it (the samples lean early: holders renew, later requests may go first)."""
     xs = [max(w, tiny) for w in waits]
     best, at, j = 0, xs[0], 0
     for i, x in enumerate(xs):
@@ -155,8 +155,8 @@ def likely_wait(waits: Sequence[float], tiny: float = TINY_WAIT) -> float:
         while j + 1 < len(xs) and xs[j + 1] <= 4 * x:
             j += 1
         if j - i + 1 > best:
-            best, at = j - i + 1, x
-    return 0.0 if at <= tiny and waits[len(waits) // 2] < tiny else 2 * at
+            best, at = j - i + 1, min(2 * x, xs[j])
+    return 0.0 if at <= tiny and waits[len(waits) // 2] < tiny else at
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
