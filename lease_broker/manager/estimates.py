@@ -4,7 +4,8 @@ The part keeps a bounded history of how long finished leases held their GPUs (fe
 in memory only: a restarted broker learns again, estimating from the Lindy rule and idle deadlines meanwhile)
 and, when a view is built, walks the head of the queue over the holders' expected ends: an idle lease ends at
 its idle deadline (the enforcer's, pressure included), an active one after the remaining time of similar leases
-(same user, notebook and size; else the user's; else everyone's), never past its time limit.
+(same user, notebook and size; else the user's; else everyone's), never past its time limit (a lease renewed
+already may be renewed again: then the policy's ceiling for renewals).
 """
 
 from __future__ import annotations
@@ -109,8 +110,18 @@ class Estimates:
         left = None
         if idle_deadline is None:
             left = self.history.remaining(self.keys(lease), now - granted, running)
-        return holder_end(now, granted_at=granted, expires_at=lease.expires_at, idle_deadline=idle_deadline,
+        return holder_end(now, granted_at=granted, expires_at=self.limit(lease, granted), idle_deadline=idle_deadline,
                           remaining_time=left)
+
+    def limit(self, lease: Lease, granted: float) -> float | None:
+        """The latest a holding lease will likely end: its time limit; once renewed past the limit it was granted
+        with, the policy's ceiling for renewals (it may well be renewed again: a notebook's next cells)."""
+        if lease.expires_at is None:
+            return None
+        user, req = lease.user, lease.request
+        most = float(self.policy.limit(user, "max_duration_seconds"))
+        first = min(req.duration_seconds or float(self.policy.limit(user, "default_duration_seconds")), most)
+        return lease.expires_at if lease.expires_at - granted <= first + 1.0 else max(lease.expires_at, granted + most)
 
 
 class _Holders(Mapping[str, Sequence[str]]):

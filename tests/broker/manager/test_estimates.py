@@ -122,3 +122,16 @@ def test_a_real_broker_answers_with_the_range(broker_factory):
     assert low <= queued["estimated_start"] <= high <= held["expires_at"]
     (entry,) = c.queue()
     assert entry["lease_id"] == queued["id"] and entry["estimated_start_range"] is not None
+
+
+def test_the_time_limit_bounds_a_holder_until_it_was_renewed(make):
+    m, clock = make(max_duration_seconds=8 * 3600)
+    run_cells(m, clock, ALICE, 3 * 3600)  # alice's leases held their GPUs for 3 h: longer than 1 h limits
+    held, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": 3600, "labels": {"notebook": "train.ipynb"}})
+    queued, _ = m.request(BOB, {"gpus": 1})
+    m.activity(held, clock.now())
+    assert m.view(queued, BOB)["estimated_start"] == held.expires_at  # the limit bounds it
+    clock.advance(1800)
+    m.renew(held.id, ALICE, 3600)  # renewed: it may be again, as alice's were
+    m.activity(held, clock.now())
+    assert m.view(queued, BOB)["estimated_start"] == pytest.approx(held.granted_at + 3 * 3600)
