@@ -57,7 +57,7 @@ def estimates(trace: Trace) -> list[Figure]:
     """Start estimates on the contended 2x8 cluster: for every request that queued, the estimate it was told at
     once against its real wait, beside the time-limit plan of the same run (issue 21)."""
     cluster = Cluster(2, 8)
-    runs = {limits: summarize(replay(trace, cluster, mode="lease", idle=600, limits=limits))["estimates"]
+    runs = {limits: summarize(replay(trace, cluster, mode="lease", idle=600, limits=limits, estimates=True))["estimates"]
             for limits in ("default", "oracle")}
     a, o = runs["default"], runs["oracle"]
     e, t = a["estimate"], a["time_limit"]

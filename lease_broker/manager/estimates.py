@@ -21,6 +21,8 @@ from .state import LiveState
 
 #: Requests ahead that the walk looks at: a deeper request gets no range (the scheduler's plan stands).
 WALK_DEPTH = 32
+#: Seconds a walk of the head of the queue is reused while the head stays the same (polling clients).
+REUSE_SECONDS = 1.0
 
 
 class Holders(Protocol):
@@ -68,11 +70,11 @@ class Estimates:
 
     def queue(self, now: float) -> dict[str, Span]:
         """The likely start of each request at the head of the queue (the first WALK_DEPTH + 1), from one walk
-        (kept while the time and the head stay the same)."""
+        (reused for REUSE_SECONDS while the head stays the same)."""
         head = self.state.queue.head(WALK_DEPTH + 1)
         ids = tuple(p.lease_id for p in head)
         at, last_ids, last = self._last
-        if at == now and last_ids == ids:
+        if 0.0 <= now - at < REUSE_SECONDS and last_ids == ids:
             return last
         out = {p.lease_id: s for p, s in zip(head, self._walk(head, now), strict=True) if s is not None}
         self._last = (now, ids, out)

@@ -99,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
                    "needs (burst + idle timeout + 60 s), or 'default', the policy's default_duration_seconds (the "
                    "smallest multiple of it that fits a longer burst), as users who name no --time do; the start "
                    "estimates' figures compare with the time-limit plan, which the oracle limits make unrealistically good")
+    p.add_argument("--no-estimates", dest="estimates", action="store_false",
+                   help="do not score the start estimates (each request that queues costs a walk of the head of "
+                   "the queue: a long overloaded trace replays faster without)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace, progress: ProgressLine | None = None) -> dict[
     runs = []
     for idle in idles:
         s = summarize(replay(trace, args.cluster, policy, mode="lease", idle=idle, progress=progress,
-                             limits=args.limits))
+                             limits=args.limits, estimates=args.estimates))
         if baseline is not None:
             s.update(compare(s, baseline))
         runs.append(s)

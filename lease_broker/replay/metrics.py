@@ -101,7 +101,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "wall_s": run.wall_seconds,
         "notes": list(run.notes),
         "limits": run.limits if run.mode == "lease" else None,
-        "estimates": accuracy(run.told) if run.mode == "lease" else None,  # start estimates against real waits
+        "estimates": accuracy(run.told) if run.told else None,  # start estimates against real waits (if recorded)
     }
 
 

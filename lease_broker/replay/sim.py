@@ -82,6 +82,7 @@ class _Sim:
         self.done, self.total = 0, 0  # work items (bursts or sessions) finished, for progress
         self.heap: list[tuple[float, int, int, tuple[Any, ...]]] = []
         self.seq = itertools.count()
+        self.record_estimates = False  # record what each request that queues is told (Run.told)
         self.waiting: dict[str, tuple[Lease, Any]] = {}  # queued lease id -> (lease, what to start)
         self.holding: dict[str, Lease] = {}
         self.held_gpus = 0
@@ -147,7 +148,7 @@ class _Sim:
         self.waiting[lease.id] = (lease, then)
         if gpus > 1:
             self.gangs_waiting += 1
-        if lease.state == LeaseState.QUEUED:
+        if self.record_estimates and lease.state == LeaseState.QUEUED:
             self.told(lease, who)
         self.collect()
         return lease
@@ -265,7 +266,7 @@ class _LeaseSim(_Sim):
             self.m.release(lease.id, st["who"], "replay_too_small")  # a bigger cell: give back, ask anew
             self.collect()
         st["lease"] = None
-        for running in self.running.values():  # running cells are active (their runners say so)
+        for running in self.running.values() if self.record_estimates else ():  # active: their runners say so
             if running.state in HOLDING:
                 self.m.activity(running, now)
         lease = self.request(st["who"], b.gpus, self.limit(b.duration + self.idle_req + LINGER_SLACK), self.idle_req,

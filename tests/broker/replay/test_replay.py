@@ -360,7 +360,8 @@ def test_score_of_estimates_against_waits():
 
 
 def test_replay_scores_the_estimate_each_queued_request_was_told(one_waits):
-    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600)
+    assert replay(one_waits, Cluster(1, 1), mode="lease", idle=600).told == []  # not asked: no cost
+    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600, estimates=True)
     (told,) = run.told  # b queued; a was granted at once
     assert told.lease.user == "b" and told.lease.created_at == told.lease.granted_at - 650  # a: 100 + 600 idle
     assert told.planned == told.lease.created_at + 710  # a's time limit: burst + idle + 60 s slack
@@ -373,7 +374,7 @@ def test_replay_scores_the_estimate_each_queued_request_was_told(one_waits):
 
 
 def test_replay_limits_default_asks_for_the_policy_default(one_waits):
-    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600, limits="default")
+    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600, limits="default", estimates=True)
     (told,) = run.told
     assert told.planned == told.lease.created_at - 50 + 3600  # a asked for 1 h, the policy default
     assert summarize(run)["limits"] == "default"
