@@ -167,7 +167,8 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 
 def _pick(values: Ends, key: str, j: int, n: int) -> float:
-    """Sample ``j`` of ``n`` of ``values``: stratum ``j``, rotated by the key's own offset."""
+    """Sample ``j`` of ``n`` of ``values``: stratum ``j``, rotated by an offset of the key's own (stable across
+    runs, unlike ``hash``), so that holders are not all at the same quantile in one sample."""
     if len(values) == 1:
         return values[0]
     u = ((j + 0.5) / n + (zlib.crc32(key.encode()) % 1009) / 1009.0) % 1.0
@@ -180,7 +181,7 @@ def _walk(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, 
     overlapping what the requests before it got."""
     busy: dict[str, list[tuple[float, float]]] = {}  # GPU -> the (start, end) the walk gave it to so far
     touched: set[str] = set()  # nodes with GPUs the walk gave away
-    holder_end: dict[str, float] = {}
+    ended: dict[str, float] = {}  # holder -> its end in this sample
     base: dict[str, float] = {}
     kth: dict[str, list[float]] = {}  # an untouched node's GPUs' free times, sorted
 
@@ -189,9 +190,9 @@ def _walk(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, 
         if r is None:
             r = now
             for h in holders.get(g, ()):
-                t = holder_end.get(h)
+                t = ended.get(h)
                 if t is None:
-                    t = holder_end[h] = max(now, _pick(ends[h], h, j, n))
+                    t = ended[h] = max(now, _pick(ends[h], h, j, n))
                 r = max(r, t)
             base[g] = r
         return r
@@ -232,11 +233,11 @@ def _walk(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, 
         for g in chosen:
             busy.setdefault(g, []).append((start, start + d))
         if chosen:
-            touched.update(nodes_of(nodes, chosen) if not node else (node,))
+            touched.update(_nodes_of(nodes, chosen) if not node else (node,))
     return out
 
 
-def nodes_of(nodes: Mapping[str, Sequence[str]], gpus: Sequence[str]) -> set[str]:
+def _nodes_of(nodes: Mapping[str, Sequence[str]], gpus: Sequence[str]) -> set[str]:
     """The nodes of these GPUs."""
     want = set(gpus)
     return {node for node, members in nodes.items() if want.intersection(members)}
