@@ -123,6 +123,8 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
     ]
     if lease.state == "queued":
         rows.append(["position", f"{lease.position or '?'}, waited {fmt_duration(now - lease.created_at)}"])
+        if lease.estimated_start:
+            rows.append(["starts", "in " + fmt_eta(lease.estimated_start, lease.estimated_start_range, now)])
     if lease.granted_at:
         rows.append(["granted", f"{when(lease.granted_at)} (queued {fmt_duration(lease.granted_at - lease.created_at)})"])
     if lease.expires_at and not lease.ended_at:

@@ -9,7 +9,7 @@ import pytest
 
 from jupyter_gpulease.client import LeaseView
 from jupyter_gpulease.kernel.acquire import WaitDisplay
-from jupyter_gpulease.tables import fmt_eta, queue_table
+from jupyter_gpulease.tables import fmt_eta, lease_text, queue_table
 
 NOW = 10_000.0
 
@@ -50,3 +50,11 @@ def test_the_queue_table_shows_the_range():
            "priority": "normal", "waited_seconds": 30.0, "estimated_start": now + 150,
            "estimated_start_range": [now + 70, now + 240]}
     assert queue_table([row]).splitlines()[1].split()[-2:] == ["~1–4", "min"]
+
+
+def test_show_says_when_a_queued_lease_will_likely_start():
+    lease = LeaseView(id="l-1", state="queued", user="bob", created_at=NOW - 30, position=1,
+                      estimated_start=NOW + 600, estimated_start_range=[NOW + 300, NOW + 1500])
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in lease_text(lease, [], now=NOW).splitlines()[:9]
+            if line.strip()}
+    assert rows["starts"] == "in ~5–25 min"
