@@ -26,7 +26,7 @@ INF = math.inf
 #: Past durations (beyond the elapsed time) a history level needs before it is used.
 MIN_SAMPLES = 4
 #: Samples of the holders' ends and the durations ahead that each estimate walks.
-SAMPLES = 32
+SAMPLES = 16
 #: The quantiles of the sampled starts shown as the range.
 RANGE = (0.1, 0.9)
 #: Waits shorter than this many seconds are all "now" to a user (no estimate is finer).
@@ -132,7 +132,8 @@ def starts(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str,
     stratified: each holder and each request gets every quantile once, in its own order (from its id), so the
     result depends on the inputs only."""
     n = max(1, samples)
-    walks = [_walk(now, nodes, holders, ends, queue, j, n) for j in range(n)]
+    free_now = {node: [g for g in members if g not in holders] for node, members in nodes.items()}
+    walks = [_walk(now, nodes, free_now, holders, ends, queue, j, n) for j in range(n)]
     out: list[Span | None] = []
     for i in range(len(queue)):
         got = sorted(w[i] - now for w in walks)
@@ -175,10 +176,11 @@ def _pick(values: Ends, key: str, j: int, n: int) -> float:
     return values[min(int(u * len(values)), len(values) - 1)]
 
 
-def _walk(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, Sequence[str]],
-          ends: Mapping[str, Ends], queue: Sequence[Need], j: int, n: int) -> list[float]:
+def _walk(now: float, nodes: Mapping[str, Sequence[str]], free_now: Mapping[str, Sequence[str]],
+          holders: Mapping[str, Sequence[str]], ends: Mapping[str, Ends], queue: Sequence[Need], j: int,
+          n: int) -> list[float]:
     """One sample: each request in turn gets the GPUs where it can start first and run its duration without
-    overlapping what the requests before it got."""
+    overlapping what the requests before it got. ``free_now``: each node's GPUs that nothing holds."""
     busy: dict[str, list[tuple[float, float]]] = {}  # GPU -> the (start, end) the walk gave it to so far
     touched: set[str] = set()  # nodes with GPUs the walk gave away
     ended: dict[str, float] = {}  # holder -> its end in this sample
@@ -210,11 +212,12 @@ def _walk(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, 
         for node, members in groups:
             if len(members) < k:
                 continue
-            now_free = [g for g in members if g not in holders and free_for(g, now, d)]
+            untouched = bool(node) and node not in touched  # the walk gave none of its GPUs away yet
+            now_free = free_now[node] if untouched else [g for g in members if g not in holders and free_for(g, now, d)]
             if len(now_free) >= k:  # nothing starts sooner: the other GPUs' ends need not be known
                 best = (now, now_free[:k], node)
                 break
-            if node and node not in touched:  # nothing given away here: the k-th GPU to free
+            if untouched:  # the k-th GPU to free
                 times = kth.get(node)
                 if times is None:
                     times = kth[node] = sorted(ready(g) for g in members)

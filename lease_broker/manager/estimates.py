@@ -20,7 +20,7 @@ from ..policy.lease_policy import LeasePolicy
 from .state import LiveState
 
 #: Requests ahead that the walk looks at: a deeper request gets no range (the scheduler's plan stands).
-WALK_DEPTH = 32
+WALK_DEPTH = 16
 #: Seconds a walk of the head of the queue is reused while the head stays the same (polling clients).
 REUSE_SECONDS = 1.0
 
