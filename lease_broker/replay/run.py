@@ -32,8 +32,7 @@ def replay(
     try:
         sim: _Sim
         if mode == "lease":
-            sim = _LeaseSim(trace, cluster, policy, idle, limits)
-            sim.record_estimates = estimates
+            sim = _LeaseSim(trace, cluster, policy, idle, limits, estimates)
         elif mode == "session":
             sim = SessionSim(trace, cluster, policy)
         else:

@@ -195,7 +195,8 @@ class _Sim:
 class _LeaseSim(_Sim):
     """Every GPU burst asks for a lease; leases linger for the idle timeout."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy, idle: float, limits: str = "oracle") -> None:
+    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy, idle: float, limits: str = "oracle",
+                 estimates: bool = False) -> None:
         if limits not in LIMITS:
             raise ValueError(f"Unknown limits {limits!r}: use one of {', '.join(LIMITS)}")
         self.limits, self.default_limit = limits, policy.default_duration_seconds
@@ -209,7 +210,7 @@ class _LeaseSim(_Sim):
             policy = policy_copy(policy, max_duration_seconds=longest)
         super().__init__(trace, cluster, policy, "lease", idle)
         self.run.notes.extend(self.notes)
-        self.run.limits = limits
+        self.run.limits, self.record_estimates = limits, estimates
         self.idle_req = idle
         self.sessions: dict[str, list[Burst]] = {}
         for i, b in enumerate(trace.bursts):
