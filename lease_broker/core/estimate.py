@@ -114,12 +114,13 @@ def holder_end(now: float, *, granted_at: float, expires_at: float | None, idle_
 class Need:
     """A queued request as the walk sees it: whole GPUs (``gpus``; a shared request counts as one), on one
     node (``locality`` "node") or any, held for one of ``durations`` once started; ``key`` names it in the
-    sampling (a stable id: its lease id)."""
+    sampling (a stable id); ``only``: the GPUs it may get (a GPU type or memory size; None: any)."""
 
     gpus: int
     locality: str = "node"
     durations: Ends = (0.0,)
     key: str = ""
+    only: frozenset[str] | None = None
 
 
 def starts(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str, Sequence[str]],
@@ -210,9 +211,12 @@ def _walk(now: float, nodes: Mapping[str, Sequence[str]], free_now: Mapping[str,
             groups = [("", [g for members in nodes.values() for g in members])]
         best: tuple[float, Sequence[str], str] = (INF, (), "")
         for node, members in groups:
+            if need.only is not None:
+                members = [g for g in members if g in need.only]
             if len(members) < k:
                 continue
-            untouched = bool(node) and node not in touched  # the walk gave none of its GPUs away yet
+            # the walk gave none of the node's GPUs away yet (and the request may have any of them)
+            untouched = bool(node) and node not in touched and need.only is None
             now_free = free_now[node] if untouched else [g for g in members if g not in holders and free_for(g, now, d)]
             if len(now_free) >= k:  # nothing starts sooner: the other GPUs' ends need not be known
                 best = (now, now_free[:k], node)

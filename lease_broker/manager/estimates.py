@@ -14,6 +14,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from ..core.estimate import INF, Ends, History, Need, Span, holder_end, starts
+from ..core.gpufit import constrained, fits
 from ..core.lease import Lease, LeaseRequest, LeaseState
 from ..core.scheduler import Pending
 from ..policy.lease_policy import LeasePolicy
@@ -92,8 +93,16 @@ class Estimates:
             self._nodes = (self.state.gpus, nodes)
         ends = _Ends(self, now)
         queue = [Need(1 if p.request.shared else p.request.min_gpus, p.request.locality, self._duration(p, ends),
-                      str(p.seq)) for p in pending]
+                      str(p.seq), self._only(p.request)) for p in pending]
         return starts(now, nodes, _Holders(self), ends, queue)
+
+    def _only(self, req: LeaseRequest) -> frozenset[str] | None:
+        """The GPUs a request may get when it narrows them (a type, a memory size, no MIG device for several)."""
+        gpus = self.state.gpus
+        if not constrained(req) and not (req.max_gpus > 1 and not req.shared and any(g.mig for g in gpus)):
+            return None
+        aliases = self.policy.gpu_type_aliases()
+        return frozenset(g.id for g in gpus if fits(g, req, aliases))
 
     def _duration(self, p: Pending, ends: _Ends) -> Ends:
         """How long a queued request will likely hold its GPUs: similar past leases, within its time limit."""

@@ -156,3 +156,10 @@ def test_the_same_inputs_give_the_same_estimate():
 ])
 def test_likely_wait_is_within_2x_of_most_samples(waits, expected):
     assert likely_wait(waits) == expected
+
+
+def test_a_request_for_some_gpus_only_waits_for_those():
+    holders = {g: [g] for g in ("g0", "g1", "g2", "g3")}
+    ends = {"g0": (1100.0,), "g1": (1200.0,), "g2": (1300.0,), "g3": (1400.0,)}
+    assert start_of(holders, ends, [Need(1, only=frozenset({"g2", "g3"}))]) == Span.exactly(1300.0)
+    assert start_of({}, {}, [Need(1, only=frozenset())]) is None  # no GPU of its kind

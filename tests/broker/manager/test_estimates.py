@@ -135,3 +135,15 @@ def test_the_time_limit_bounds_a_holder_until_it_was_renewed(make):
     m.renew(held.id, ALICE, 3600)  # renewed: it may be again, as alice's were
     m.activity(held, clock.now())
     assert m.view(queued, BOB)["estimated_start"] == pytest.approx(held.granted_at + 3 * 3600)
+
+
+def test_a_request_for_a_gpu_type_waits_for_a_gpu_of_that_type():
+    clock = VirtualClock()
+    m = LeaseManager(Store(":memory:"), SimulatedInventory(cluster="1x1:A100-40GB,1x1:H100"),
+                     LeasePolicy(heartbeat_timeout=0.0, default_idle_timeout_seconds=600.0), clock=clock)
+    m.restore()
+    h100, _ = m.request(ALICE, {"gpus": 1, "gpu_type": "H100", "idle_timeout_seconds": 900})
+    a100, _ = m.request(ALICE, {"gpus": 1, "gpu_type": "A100", "idle_timeout_seconds": 300})
+    queued, _ = m.request(BOB, {"gpus": 1, "gpu_type": "H100"})
+    clock.advance(60)
+    assert m.view(queued, BOB)["estimated_start"] == h100.last_activity + 900  # not the A100's +300
