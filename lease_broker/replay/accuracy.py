@@ -23,11 +23,10 @@ def score(pairs: Iterable[tuple[float | None, float]]) -> dict[str, Any]:
     within 2× (of all), the median ratio est/real, and the share that was too optimistic by more than 2×."""
     pairs = list(pairs)
     ratios = [max(est, FLOOR) / max(real, FLOOR) for est, real in pairs if est is not None]
-    n = len(pairs)
-    within = sum(1 for r in ratios if 0.5 <= r <= 2.0)
-    return {"n": n, "with_estimate": len(ratios), "within_2x": within / n if n else float("nan"),
-            "median_ratio": statistics.median(ratios) if ratios else float("nan"), "under_half": sum(1 for r in ratios if r < 0.5) / n if n else
-            float("nan")}
+    n, nan = len(pairs), float("nan")
+    within, early = sum(1 for r in ratios if 0.5 <= r <= 2.0), sum(1 for r in ratios if r < 0.5)
+    return {"n": n, "with_estimate": len(ratios), "within_2x": within / n if n else nan,
+            "median_ratio": statistics.median(ratios) if ratios else nan, "under_half": early / n if n else nan}
 
 
 def _wait(t: Told) -> float | None:
