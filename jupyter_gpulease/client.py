@@ -56,7 +56,8 @@ class LeaseView(Mapping[str, Any]):
     pids: list[int] = field(default_factory=list)
     simulated: bool = False
     position: int | None = None
-    estimated_start: float | None = None
+    estimated_start: float | None = None  # the likely start of a queued lease
+    estimated_start_range: list[float] | None = None  # [low, high] when the broker says how unsure it is
     env: dict[str, str] = field(default_factory=dict)  # to apply in the holder: CUDA_VISIBLE_DEVICES, MPS limits
     placement: dict[str, Any] | None = None  # the engine that placed it (Ray, Slurm); None: this host
     secret: str | None = None  # only in the answer to the request that created it

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .client import LeaseView
@@ -24,6 +24,33 @@ def fmt_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def _about(seconds: float) -> tuple[str, str]:
+    """A wait as a user reads an estimate: whole minutes, then hours, then days (one decimal below 10)."""
+    for unit, size, start in (("d", 86400.0, 2 * 86400.0), ("h", 3600.0, 3570.0)):
+        if seconds >= start:
+            x = seconds / size
+            return (f"{x:.1f}".removesuffix(".0") if x < 10 else f"{x:.0f}"), unit
+    return f"{max(1, round(seconds / 60))}", "min"
+
+
+def fmt_eta(start: float | None, span: Sequence[float] | None, now: float) -> str:
+    """When a queued request will likely start, as a user reads it: "~3 min", a range "~1–4 min" when the broker
+    is unsure (its ``estimated_start_range``), "under a minute"; "?" without an estimate."""
+    if not start:
+        return "?"
+    likely = max(0.0, start - now)
+    low, high = (max(0.0, span[0] - now), max(0.0, span[1] - now)) if span else (likely, likely)
+    if high < 60:
+        return "under a minute"
+    (lo, lo_unit), (hi, hi_unit) = _about(low), _about(high)
+    if high <= 1.25 * max(low, 60.0) or (lo, lo_unit) == (hi, hi_unit):
+        value, unit = _about(likely if span is None or low <= likely <= high else high)
+        return f"~{value} {unit}"
+    if low < 60:
+        lo, lo_unit = "0", hi_unit
+    return f"~{lo}–{hi} {hi_unit}" if lo_unit == hi_unit else f"~{lo} {lo_unit}–{hi} {hi_unit}"
 
 
 def lease_gpus(item: Mapping[str, Any]) -> str:
@@ -96,6 +123,8 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
     ]
     if lease.state == "queued":
         rows.append(["position", f"{lease.position or '?'}, waited {fmt_duration(now - lease.created_at)}"])
+        if lease.estimated_start:
+            rows.append(["starts", "in " + fmt_eta(lease.estimated_start, lease.estimated_start_range, now)])
     if lease.granted_at:
         rows.append(["granted", f"{when(lease.granted_at)} (queued {fmt_duration(lease.granted_at - lease.created_at)})"])
     if lease.expires_at and not lease.ended_at:
@@ -158,7 +187,7 @@ def _gpu_state(g: dict[str, Any]) -> str:
 def queue_table(queue: list[dict[str, Any]]) -> str:
     rows = [[q["position"], q["user"], q["lease_id"] or "-", lease_gpus(q), q["priority"],
              fmt_duration(q["waited_seconds"]),
-             fmt_duration(max(0.0, q["estimated_start"] - time.time())) if q.get("estimated_start") else "?"]
+             fmt_eta(q.get("estimated_start"), q.get("estimated_start_range"), time.time())]
             for q in queue]
     return table(["POS", "USER", "LEASE", "GPUS", "PRIORITY", "WAITED", "EST. START IN"], rows)
 

@@ -64,8 +64,13 @@ def test_waited_counts_live_and_cancel_withdraws_the_request(lab, page, client, 
     held = [client.request_lease(1, heartbeat=False) for _ in range(2)]
     queued = client.request_lease(1, heartbeat=False)
     assert queued["state"] == "queued" and all(x["state"] == "granted" for x in held)
-    waited = page.locator(f'#gpulease-panel .jp-GpuLease-queueItem[data-lease-id="{queued["id"]}"] .jp-GpuLease-waited')
+    item = page.locator(f'#gpulease-panel .jp-GpuLease-queueItem[data-lease-id="{queued["id"]}"]')
+    waited = item.locator(".jp-GpuLease-waited")
     expect(waited).to_be_visible()
+    # when it will likely start: one value or a range, as the cell and the CLI say it (tables.fmt_eta)
+    assert client.queue()[0]["estimated_start_range"] is not None
+    expect(item).to_contain_text(re.compile(r"starts in (~[\d.]+(–[\d.]+)? (min|h|d)|~[\d.]+ \w+–[\d.]+ \w+|under a minute)"))
+    expect(item.locator(".jp-GpuLease-eta")).to_have_attribute("data-low", re.compile(r"^\d+(\.\d+)?$"))
     queue_fetched = requests_to(page, "queue")
     for _ in range(3):  # a refetch may still follow the requests' events: look for a tick between fetches
         queue_fetched.clear()

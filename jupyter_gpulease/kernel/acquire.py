@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..client import BrokerClient, BrokerError, LeaseView
-from ..tables import fmt_duration
+from ..tables import fmt_duration, fmt_eta
 
 
 class LeaseUnavailable(Exception):
@@ -63,7 +63,7 @@ class WaitDisplay:
 
     def update(self, lease: LeaseView, waited: float) -> None:
         est = lease.estimated_start
-        eta = f", estimated start in {fmt_duration(max(0.0, est - time.time()))}" if est else ""
+        eta = f", estimated start in {fmt_eta(est, lease.estimated_start_range, time.time())}" if est else ""
         text = f"⏳ {self.label}: queued, position {lease.position or '?'}, waited {fmt_duration(waited)}{eta}"
         if self.widget is not None:
             self.widget.value = f"<code>{text}</code> <small>(interrupt the kernel to cancel)</small>"

@@ -113,7 +113,9 @@ export interface ILease {
   /** Processes attached to the lease (a %%gpu cell's worker while it runs). */
   pids: number[];
   position: number | null;
+  /** A queued lease's likely start (epoch seconds), and [low, high] when the broker says how unsure it is. */
   estimated_start: number | null;
+  estimated_start_range?: [number, number] | null;
   min_gpus: number;
   max_gpus: number;
   fraction: number;
@@ -145,6 +147,7 @@ export interface IQueueEntry {
   gpu_mem?: number;
   waited_seconds: number;
   estimated_start: number | null;
+  estimated_start_range?: [number, number] | null;
 }
 
 export interface IArtifact {

@@ -54,9 +54,63 @@ export function h(
   return el;
 }
 
-/** The time between now and `epoch`, counting up (`since`) or down (`until`). */
-function counted(kind: 'since' | 'until', epoch: number, now: number): string {
+/** A wait as a user reads an estimate: whole minutes, then hours, then days (one decimal below 10). */
+function about(seconds: number): [string, string] {
+  for (const [unit, size, start] of [['d', 86400, 2 * 86400], ['h', 3600, 3570]] as [string, number, number][]) {
+    if (seconds >= start) {
+      const x = seconds / size;
+      return [x < 10 ? String(Math.round(x * 10) / 10) : x.toFixed(0), unit];
+    }
+  }
+  return [String(Math.max(1, Math.round(seconds / 60))), 'min'];
+}
+
+/**
+ * When a queued request will likely start (broker epoch seconds): "~3 min", a range "~1–4 min" when the broker
+ * is unsure (its `estimated_start_range`), "under a minute". As the kernel and the CLI say it.
+ */
+export function formatEta(start: number, range: number[] | null | undefined, now: number): string {
+  const likely = Math.max(0, start - now);
+  const [low, high] = range ? [Math.max(0, range[0] - now), Math.max(0, range[1] - now)] : [likely, likely];
+  if (high < 60) {
+    return 'under a minute';
+  }
+  let [lo, loUnit] = about(low);
+  const [hi, hiUnit] = about(high);
+  if (high <= 1.25 * Math.max(low, 60) || (lo === hi && loUnit === hiUnit)) {
+    const [value, unit] = about(!range || (low <= likely && likely <= high) ? likely : high);
+    return `~${value} ${unit}`;
+  }
+  if (low < 60) {
+    [lo, loUnit] = ['0', hiUnit];
+  }
+  return loUnit === hiUnit ? `~${lo}–${hi} ${hiUnit}` : `~${lo} ${loUnit}–${hi} ${hiUnit}`;
+}
+
+type CounterKind = 'since' | 'until' | 'eta';
+
+/** The time between now and `epoch`, counting up (`since`) or down (`until`, `eta`: as an estimate). */
+function counted(kind: CounterKind, epoch: number, now: number, el?: HTMLElement): string {
+  if (kind === 'eta') {
+    const low = el?.dataset.low;
+    return formatEta(epoch, low ? [Number(low), Number(el?.dataset.high)] : null, now);
+  }
   return formatDuration(kind === 'since' ? now - epoch : epoch - now);
+}
+
+/** An estimated start that stays current ("~1–4 min", `formatEta`), counting down like `counter`. */
+export function etaCounter(start: number, range: number[] | null | undefined, now: number): HTMLElement {
+  return h(
+    'span',
+    {
+      class: 'jp-GpuLease-counter jp-GpuLease-eta',
+      'data-count': 'eta',
+      'data-epoch': start,
+      'data-low': range ? range[0] : null,
+      'data-high': range ? range[1] : null
+    },
+    formatEta(start, range, now)
+  );
 }
 
 /**
@@ -73,8 +127,8 @@ export function counter(kind: 'since' | 'until', epoch: number, now: number, cls
 
 export function tickCounters(root: HTMLElement, now: number): void {
   for (const el of root.querySelectorAll<HTMLElement>('[data-count]')) {
-    const kind = el.dataset.count === 'since' ? 'since' : 'until';
-    const text = counted(kind, Number(el.dataset.epoch), now);
+    const kind: CounterKind = el.dataset.count === 'since' ? 'since' : el.dataset.count === 'eta' ? 'eta' : 'until';
+    const text = counted(kind, Number(el.dataset.epoch), now, el);
     if (el.textContent !== text) {
       el.textContent = text;
     }

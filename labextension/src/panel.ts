@@ -4,7 +4,7 @@ import { Widget } from '@lumino/widgets';
 import { cancelRequest, extendLease, releaseLease, revokeLease } from './actions';
 import { IArtifact, ILease, IQueueEntry } from './api';
 import { gpuCard, leaseUsage, updateCardSample } from './cards';
-import { counter, h, tickCounters } from './format';
+import { counter, etaCounter, h, tickCounters } from './format';
 import { GpuLeaseModel } from './model';
 import { wants } from './gputype';
 
@@ -122,7 +122,7 @@ export class GpuLeasePanel extends Widget {
       { class: e.mine ? 'jp-GpuLease-queueItem jp-mod-mine' : 'jp-GpuLease-queueItem', 'data-lease-id': e.lease_id ?? '' },
       `#${e.position} ${e.mine ? 'you' : e.user}: ${size}${wants(e)}, waited `,
       counter('since', now - this.model.waited(e), now, 'jp-GpuLease-waited'),
-      e.estimated_start ? [', starts in ~', counter('until', e.estimated_start, now)] : null
+      e.estimated_start ? [', starts in ', etaCounter(e.estimated_start, e.estimated_start_range, now)] : null
     );
   }
 

@@ -8,6 +8,7 @@ through ``LeaseOps``; the inventory's changes come back through the ``EngineLink
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import logging
@@ -38,6 +39,7 @@ from ..store.lease_store import Store
 from .access import LeaseAccess, Waiters
 from .enforcer import Enforcer
 from .engine import EngineLink
+from .estimates import Estimates
 from .events import EventBus
 from .gpu_summary import GpuSummary
 from .iteration import Iteration
@@ -74,7 +76,9 @@ class LeaseManager:
         self.usage = Usage(self.state, policy, self.admin_store)
         self.planning = Planning(self.state, policy, inventory, self.quotas, self.usage, self.reservations)
         self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
-        self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption)
+        self.estimates = Estimates(self.state, policy, self.enforcer)  # queued requests' likely starts
+        self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption,
+                           self.estimates)
         self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
         self.metering = Metering(self.state, self)  # what each lease used, from the samples
         self.transitions_total: dict[tuple[str, str], int] = {}
@@ -152,10 +156,8 @@ class LeaseManager:
                                     extra={"state": lease.state.value})
         if lease.user != who.user and who.admin:
             return self.revoke(lease_id, who, reason or "admin")
-        if lease.state == LeaseState.QUEUED:
-            self.end(lease, LeaseState.CANCELLED, "cancelled")
-        else:
-            self.end(lease, LeaseState.RELEASED, reason_slug(reason, "released"))
+        target = LeaseState.CANCELLED if lease.state == LeaseState.QUEUED else LeaseState.RELEASED
+        self.end(lease, target, "cancelled" if target == LeaseState.CANCELLED else reason_slug(reason, "released"))
         return lease
 
     def revoke(self, lease_id: str, who: Identity, reason: str = "admin") -> Lease:
@@ -256,8 +258,7 @@ class LeaseManager:
         lease.__dict__.update(saved.__dict__)
         if new:
             self.state.leases.pop(lease.id, None)
-            if lease.id in self.state.queue:
-                self.state.queue.remove(lease.id)
+            self.state.queue.remove(lease.id)  # (a no-op when it is not queued)
         elif not lease.state.terminal:
             self.state.leases[lease.id] = lease
             if lease.state == LeaseState.QUEUED and lease.id not in self.state.queue:
@@ -289,6 +290,7 @@ class LeaseManager:
         """Once a lease's end is stored: its processes stop, the inventory hears, its GPUs go to the queue."""
         if held:
             self.enforcer.stop(lease)
+        self.estimates.ended(lease)  # how long it held its GPUs: the history of the start estimates
         self.inventory.on_end(lease)
         if held:
             self.schedule_soon()
@@ -362,10 +364,8 @@ class LeaseManager:
     def tick(self) -> None:
         """Enforce time: expiry, heartbeats, idleness, warnings, kills, drains. Then schedule."""
         if self.engine.loop is None:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self.engine.loop = asyncio.get_running_loop()
-            except RuntimeError:
-                pass
         self.engine.reconcile()
         self.enforcer.tick(self.clock.now())
         self.schedule()

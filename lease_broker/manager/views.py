@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.estimate import Span
 from ..core.fractional import held_memory, shared_env
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity
@@ -15,6 +16,7 @@ from ..host.procs import mps_running
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
 from .enforcer import Enforcer
+from .estimates import Estimates
 from .preemption import Preemption
 from .reservations import Reservations
 from .state import LiveState
@@ -32,6 +34,7 @@ def lease_view(
     visible_devices: str = "",
     position: int | None = None,
     estimate: float | None = None,
+    estimate_range: tuple[float, float] | None = None,
     idle_deadline: float | None = None,
     max_expires_at: float | None = None,
     placement: dict[str, Any] | None = None,
@@ -72,6 +75,7 @@ def lease_view(
         "simulated": simulated,
         "position": position,
         "estimated_start": estimate,
+        "estimated_start_range": list(estimate_range) if estimate_range is not None else None,
         "env": {"CUDA_VISIBLE_DEVICES": visible_devices} if lease.devices else {},
         "placement": placement,
         "usage": lease.use.view(held_memory(lease, gpus)) if lease.granted_at is not None else None,
@@ -119,16 +123,18 @@ class Views:
     """The JSON views the API serves and the events carry. ``viewer`` None: the owner's view (events)."""
 
     def __init__(self, state: LiveState, policy: LeasePolicy, inventory: Inventory, enforcer: Enforcer,
-                 reservations: Reservations, preemption: Preemption) -> None:
+                 reservations: Reservations, preemption: Preemption, estimates: Estimates) -> None:
         self.state, self.policy, self.inventory, self.enforcer = state, policy, inventory, enforcer
-        self.reservations, self.preemption = reservations, preemption
+        self.reservations, self.preemption, self.estimates = reservations, preemption, estimates
 
     def lease(self, lease: Lease, viewer: Identity | None, now: float) -> dict[str, Any]:
         state = self.state
-        position = estimate = idle_deadline = max_expires_at = None
+        position = estimate = estimate_range = idle_deadline = max_expires_at = None
         if lease.state == LeaseState.QUEUED:
             position = state.queue.position(lease.id)
-            estimate = state.planned.get(lease.id)
+            # the range when someone asks (events carry the pass's plan: a request's event must stay cheap)
+            span = self.estimates.start(lease, now) if viewer is not None else None
+            estimate, estimate_range = self.start(lease.id, span)
         elif lease.state in HOLDING:
             if lease.idle_timeout_seconds:
                 idle_deadline = lease.last_activity + self.enforcer.idle_timeout(lease)[0]
@@ -142,6 +148,7 @@ class Views:
             visible_devices=self.inventory.visible_devices(devices) if devices else "",
             position=position,
             estimate=estimate,
+            estimate_range=estimate_range,
             idle_deadline=idle_deadline,
             max_expires_at=max_expires_at,
             placement=self.inventory.placement(lease),
@@ -149,6 +156,14 @@ class Views:
         )
         out.update(self.preemption.view(lease, admin=viewer is not None and viewer.admin))
         return out
+
+    def start(self, lease_id: str, span: Span | None) -> tuple[float | None, tuple[float, float] | None]:
+        """A queued lease's ``estimated_start`` and ``estimated_start_range``: the likely start and the range of
+        the holders' likely ends (``Estimates``); without them (deep in the queue), the scheduler's plan from
+        the holders' time limits and no range."""
+        if span is None:
+            return self.state.planned.get(lease_id), None
+        return span.likely, (span.low, span.high)
 
     def mps_enabled(self) -> bool:
         """Whether shared leases get CUDA MPS limits (the policy says so, or 'auto' and MPS runs)."""
@@ -206,11 +221,13 @@ class Views:
     def queue(self, viewer: Identity, now: float) -> list[dict[str, Any]]:
         out = []
         leases = self.state.leases
+        starts = self.estimates.queue(now)  # the head's, from one walk
         for pos, p in enumerate(self.state.queue, 1):
             lease = leases.get(p.lease_id)
             if lease is None or lease.state != LeaseState.QUEUED:
                 continue
             mine = may_see(lease, viewer)
+            estimate, estimate_range = self.start(lease.id, starts.get(lease.id))
             out.append(
                 {
                     "position": pos,
@@ -224,7 +241,8 @@ class Views:
                     "gpu_mem": lease.request.gpu_mem,
                     "priority": lease.request.priority,
                     "waited_seconds": max(0.0, now - lease.created_at),
-                    "estimated_start": self.state.planned.get(lease.id),
+                    "estimated_start": estimate,
+                    "estimated_start_range": list(estimate_range) if estimate_range is not None else None,
                 }
             )
         return out

@@ -16,6 +16,7 @@ from .model import Cluster
 from .policy import load_policy
 from .report import describe, plot
 from .run import replay
+from .sim import LIMITS
 from .trace import TraceError, load_trace, tile
 
 
@@ -93,6 +94,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="with --sweep: plot reclaimed GPU-time vs re-grant rate")
     p.add_argument("--tile", type=int, default=1, metavar="N",
                    help="replay N copies of the trace one after another (a longer synthetic trace)")
+    p.add_argument("--limits", choices=LIMITS, default="oracle",
+                   help="the time limits the lease mode's requests ask for: 'oracle' (default), what each burst "
+                   "needs (burst + idle timeout + 60 s), or 'default', the policy's default_duration_seconds (the "
+                   "smallest multiple of it that fits a longer burst), as users who name no --time do; the start "
+                   "estimates' figures compare with the time-limit plan, which the oracle limits make unrealistically good")
+    p.add_argument("--no-estimates", dest="estimates", action="store_false",
+                   help="do not score the start estimates (each request that queues costs a walk of the head of "
+                   "the queue: a long overloaded trace replays faster without)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
@@ -109,7 +118,8 @@ def run(args: argparse.Namespace, progress: ProgressLine | None = None) -> dict[
         baseline = summarize(replay(trace, args.cluster, policy, mode="session", progress=progress))
     runs = []
     for idle in idles:
-        s = summarize(replay(trace, args.cluster, policy, mode="lease", idle=idle, progress=progress))
+        s = summarize(replay(trace, args.cluster, policy, mode="lease", idle=idle, progress=progress,
+                             limits=args.limits, estimates=args.estimates))
         if baseline is not None:
             s.update(compare(s, baseline))
         runs.append(s)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .accuracy import accuracy
 from .model import Run
 
 
@@ -99,6 +100,8 @@ def summarize(run: Run) -> dict[str, Any]:
                               "max": 1000 * max(run.pass_seconds) if run.pass_seconds else math.nan},
         "wall_s": run.wall_seconds,
         "notes": list(run.notes),
+        "limits": run.limits if run.mode == "lease" else None,
+        "estimates": accuracy(run.told) if run.told else None,  # start estimates against real waits (if recorded)
     }
 
 

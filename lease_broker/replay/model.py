@@ -62,6 +62,19 @@ class Outcome:
 
 
 @dataclasses.dataclass
+class Told:
+    """A request that queued, and the start it was told at once (its view right after the request): the
+    estimate users see (``shown``, its ``low``/``high`` range when the broker gave one) and the scheduler's plan
+    from the holders' time limits (``planned``), as absolute times; the lease's grant gives the real wait."""
+
+    lease: Lease
+    shown: float | None
+    low: float | None
+    high: float | None
+    planned: float | None
+
+
+@dataclasses.dataclass
 class Run:
     """One replay: its outcomes, the leases it made, and integrals over time."""
 
@@ -82,6 +95,8 @@ class Run:
     queue_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # queue depth -> virtual seconds at it
     queue_max: int = 0
     pass_seconds: list[float] = dataclasses.field(default_factory=list)  # wall time of the passes of each event
+    limits: str = "oracle"  # the time limits requests ask for (sim.LIMITS)
+    told: list[Told] = dataclasses.field(default_factory=list)  # every request that queued (lease mode)
 
 
 #: ``progress(mode, done, total)``: called now and then during a replay (work items done of the total).

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .accuracy import describe as estimates_line
+
 
 def _pct(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
@@ -74,6 +76,9 @@ def describe(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any] | Non
         lines.append(f"{_label(s)}: queue depth max {q['max']}, p95 {_num(q['p95'])} (over time); scheduling "
                      f"cost per event p50 {_num(c['p50'], '.2f')} ms, p99 {_num(c['p99'], '.2f')} ms "
                      f"({c['n']:,} events with a pass of {s['events']:,}); replayed in {s['wall_s']:.1f} s")
+    for s in summaries:
+        if s.get("estimates"):
+            lines.append(estimates_line(f"{_label(s)}, limits {s['limits']}", s["estimates"]))
     lines.append("RESERVED IDLE = held GPU-time outside bursts; RECLAIMED = GPU-time not held vs the baseline; "
                  "TTG = time to GPU; GANG BLOCK = free GPU-time while a multi-GPU request waits.")
     wall = sum(s["wall_s"] for s in every)

@@ -15,10 +15,12 @@ from .trace import Trace, TraceError, check_fits
 
 def replay(
     trace: Trace, cluster: Cluster, policy: LeasePolicy | None = None, *, mode: str = "lease", idle: float = 600.0,
-    progress: Progress | None = None,
+    progress: Progress | None = None, limits: str = "oracle", estimates: bool = False,
 ) -> Run:
     """Replay ``trace`` on ``cluster`` under ``policy``: ``mode`` is ``lease`` or ``session``; ``progress``
-    is called now and then with the mode and the work items (bursts, or sessions) done of the total."""
+    is called now and then with the mode and the work items (bursts, or sessions) done of the total; ``limits``:
+    the time limits the lease mode's requests ask for (``sim.LIMITS``); ``estimates``: record the start estimate
+    each request that queues is told (``Run.told``; it costs a walk of the head of the queue per such request)."""
     policy = policy or LeasePolicy()
     check_fits(trace, cluster.total)
     if not trace.bursts:
@@ -30,7 +32,7 @@ def replay(
     try:
         sim: _Sim
         if mode == "lease":
-            sim = _LeaseSim(trace, cluster, policy, idle)
+            sim = _LeaseSim(trace, cluster, policy, idle, limits, estimates)
         elif mode == "session":
             sim = SessionSim(trace, cluster, policy)
         else:

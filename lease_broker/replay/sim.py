@@ -33,12 +33,17 @@ from ..core.lease import HOLDING, Lease, LeaseState
 from ..manager.manager import LeaseManager
 from ..policy.lease_policy import LeasePolicy
 from ..store.lease_store import Store
-from .model import Cluster, Outcome, Progress, Run
+from .model import Cluster, Outcome, Progress, Run, Told
 from .policy import policy_copy
 from .trace import Burst, Trace
 
 OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
 LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
+#: The time limits the lease mode's requests ask for: ``oracle``, what the burst needs (burst + idle timeout +
+#: LINGER_SLACK; a holder's limit then says when it ends, which no real user knows); ``default``, the policy's
+#: default_duration_seconds, or the smallest multiple of it that fits the burst (as users ask for --time 2h
+#: when they know a cell is long).
+LIMITS = ("oracle", "default")
 
 # event kinds, in the order they run at one instant: ends free GPUs before arrivals ask for them
 _END, _STOP, _DEADLINE, _ARRIVE, _PRESSURE = 0, 1, 2, 3, 4
@@ -77,6 +82,7 @@ class _Sim:
         self.done, self.total = 0, 0  # work items (bursts or sessions) finished, for progress
         self.heap: list[tuple[float, int, int, tuple[Any, ...]]] = []
         self.seq = itertools.count()
+        self.record_estimates = False  # record what each request that queues is told (Run.told)
         self.waiting: dict[str, tuple[Lease, Any]] = {}  # queued lease id -> (lease, what to start)
         self.holding: dict[str, Lease] = {}
         self.held_gpus = 0
@@ -142,8 +148,16 @@ class _Sim:
         self.waiting[lease.id] = (lease, then)
         if gpus > 1:
             self.gangs_waiting += 1
+        if self.record_estimates and lease.state == LeaseState.QUEUED:
+            self.told(lease, who)
         self.collect()
         return lease
+
+    def told(self, lease: Lease, who: Identity) -> None:
+        """What a request that queued was told at once (its owner's view), and the time-limit plan."""
+        view = self.m.view(lease, who)
+        low, high = view["estimated_start_range"] or (None, None)
+        self.run.told.append(Told(lease, view["estimated_start"], low, high, self.m.state.planned.get(lease.id)))
 
     def collect(self) -> None:
         """Notice what the manager did (its lease events since the last call): grants of waiting requests,
@@ -181,8 +195,12 @@ class _Sim:
 class _LeaseSim(_Sim):
     """Every GPU burst asks for a lease; leases linger for the idle timeout."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy, idle: float) -> None:
-        longest = max((b.duration for b in trace.bursts), default=0.0) + idle + LINGER_SLACK
+    def __init__(self, trace: Trace, cluster: Cluster, policy: LeasePolicy, idle: float, limits: str = "oracle",
+                 estimates: bool = False) -> None:
+        if limits not in LIMITS:
+            raise ValueError(f"Unknown limits {limits!r}: use one of {', '.join(LIMITS)}")
+        self.limits, self.default_limit = limits, policy.default_duration_seconds
+        longest = self.limit(max((b.duration for b in trace.bursts), default=0.0) + idle + LINGER_SLACK)
         self.notes: list[str] = []
         if longest > policy.max_duration_seconds:
             self.notes.append(
@@ -192,6 +210,7 @@ class _LeaseSim(_Sim):
             policy = policy_copy(policy, max_duration_seconds=longest)
         super().__init__(trace, cluster, policy, "lease", idle)
         self.run.notes.extend(self.notes)
+        self.run.limits, self.record_estimates = limits, estimates
         self.idle_req = idle
         self.sessions: dict[str, list[Burst]] = {}
         for i, b in enumerate(trace.bursts):
@@ -203,6 +222,12 @@ class _LeaseSim(_Sim):
             self.push(OFFSET + bursts[0].start, _ARRIVE, key, 0)
         self.running: dict[str, Lease] = {}
         self.total = len(trace.bursts)
+
+    def limit(self, need: float) -> float:
+        """The time limit a burst's lease asks for (see LIMITS), ``need`` the burst + idle timeout + slack."""
+        if self.limits == "oracle" or self.default_limit <= 0:
+            return need
+        return self.default_limit * max(1, math.ceil(need / self.default_limit))
 
     def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
         if kind == _ARRIVE:
@@ -229,7 +254,7 @@ class _LeaseSim(_Sim):
         lease: Lease | None = st["lease"]
         if lease is not None and lease.state in HOLDING and len(lease.devices) >= b.gpus:
             try:
-                self.m.renew(lease.id, st["who"], b.duration + lease.idle_timeout_seconds + LINGER_SLACK)
+                self.m.renew(lease.id, st["who"], self.limit(b.duration + lease.idle_timeout_seconds + LINGER_SLACK))
             except Forbidden:
                 self.run.renewals_refused += 1
                 self.m.release(lease.id, st["who"], "replay_renewal_refused")
@@ -242,7 +267,10 @@ class _LeaseSim(_Sim):
             self.m.release(lease.id, st["who"], "replay_too_small")  # a bigger cell: give back, ask anew
             self.collect()
         st["lease"] = None
-        lease = self.request(st["who"], b.gpus, b.duration + self.idle_req + LINGER_SLACK, self.idle_req,
+        for running in self.running.values() if self.record_estimates else ():  # active: their runners say so
+            if running.state in HOLDING:
+                self.m.activity(running, now)
+        lease = self.request(st["who"], b.gpus, self.limit(b.duration + self.idle_req + LINGER_SLACK), self.idle_req,
                              (key, idx, out))
         if lease.state == LeaseState.QUEUED and self.m.policy.pressure_idle_timeout_seconds:
             self.push(now, _PRESSURE, None, now)  # the broker's next tick: idle leases it waits for may go

@@ -13,6 +13,7 @@ import pytest
 from benchmarks.overload_trace import generate
 from lease_broker.core.lease import LeaseState
 from lease_broker.replay import Cluster, TraceError, jain, load_policy, load_trace, percentile, replay, summarize, tile
+from lease_broker.replay.accuracy import score
 from lease_broker.replay.cli import main as replay_main
 from lease_broker.replay.report import describe
 
@@ -346,3 +347,50 @@ def test_a_mixed_cluster_replays_on_its_own_nodes(tmp_path, capsys):
     assert "1x4:A100-40GB,1x8:H100" in capsys.readouterr().out
     with pytest.raises(ValueError, match="NODESxGPUS"):
         Cluster.parse("2x8:")
+
+
+# ---------------------------------------------------------------- start estimates against real waits
+@pytest.fixture
+def one_waits(tmp_path):
+    """Two sessions on one GPU: b's burst arrives while a's runs, and waits for a's lease to end."""
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,100,1\nb,50,10,1\n")
+    return load_trace(bursts)
+
+
+def test_score_of_estimates_against_waits():
+    # no estimate: a miss; 10 s for 20 s: both under the 30 s floor, exact; a third: out; 5/3: in
+    s = score([(None, 100.0), (10.0, 20.0), (100.0, 300.0), (500.0, 300.0)])
+    assert s["n"] == 4 and s["with_estimate"] == 3
+    assert s["within_2x"] == 0.5 and s["under_half"] == 0.25
+    assert s["median_ratio"] == 1.0
+
+
+def test_replay_scores_the_estimate_each_queued_request_was_told(one_waits):
+    assert replay(one_waits, Cluster(1, 1), mode="lease", idle=600).told == []  # not asked: no cost
+    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600, estimates=True)
+    (told,) = run.told  # b queued; a was granted at once
+    assert told.lease.user == "b" and told.lease.created_at == told.lease.granted_at - 650  # a: 100 + 600 idle
+    assert told.planned == told.lease.created_at + 710  # a's time limit: burst + idle + 60 s slack
+    assert told.low is not None and told.low <= told.shown <= told.high
+    a = summarize(run)["estimates"]
+    assert a["queued"] == a["granted"] == 1
+    assert a["time_limit"]["within_2x"] == 1.0 and a["time_limit"]["median_ratio"] == pytest.approx(710 / 650)
+    assert a["estimate"]["with_estimate"] == 1  # a ran no cell before: the Lindy guess, about a minute
+    assert a["estimate"]["median_ratio"] == pytest.approx((told.shown - told.lease.created_at) / 650)
+
+
+def test_replay_limits_default_asks_for_the_policy_default(one_waits):
+    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600, limits="default", estimates=True)
+    (told,) = run.told
+    assert told.planned == told.lease.created_at - 50 + 3600  # a asked for 1 h, the policy default
+    assert summarize(run)["limits"] == "default"
+    with pytest.raises(ValueError, match="Unknown limits"):
+        replay(one_waits, Cluster(1, 1), mode="lease", idle=600, limits="guess")
+
+
+def test_replay_cli_reports_the_estimates(tmp_path, capsys):
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,100,1\nb,50,10,1\n")
+    assert replay_main([str(bursts), "--cluster", "1x1", "--limits", "default", "--baseline", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "limits default: start estimates of the 1 requests that queued:" in out
+    assert "the time-limit plan of the same run: 0% within 2x" in out  # 1 h against a 650 s wait

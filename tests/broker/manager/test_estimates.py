@@ -1,0 +1,149 @@
+"""Start estimates of queued requests through the real LeaseManager (virtual clock, in-memory store), and
+through a real broker process: the views carry the likely start and its range."""
+
+from __future__ import annotations
+
+import pytest
+
+from lease_broker.core.clock import VirtualClock
+from lease_broker.core.identity import Identity
+from lease_broker.core.lease import LeaseState
+from lease_broker.inventory.simulated import SimulatedInventory
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store
+
+ALICE = Identity("alice", uid=1001)
+BOB = Identity("bob", uid=1002)
+
+
+@pytest.fixture
+def make():
+    def _make(gpus=1, nodes=1, **policy):
+        clock = VirtualClock()
+        pol = LeasePolicy(**{"heartbeat_timeout": 0.0, "default_idle_timeout_seconds": 600.0, **policy})
+        m = LeaseManager(Store(":memory:"), SimulatedInventory(gpus=gpus, nodes=nodes), pol, clock=clock)
+        m.restore()
+        return m, clock
+
+    return _make
+
+
+def run_cells(m, clock, who, seconds, labels=None, times=4):
+    """``times`` leases of ``who`` that each ran a cell for ``seconds`` and were released: the history."""
+    for _ in range(times):
+        lease, _ = m.request(who, {"gpus": 1, "labels": labels or {"notebook": "train.ipynb"}})
+        assert lease.state == LeaseState.GRANTED
+        clock.advance(seconds)
+        m.release(lease.id, who)
+
+
+def test_a_queued_request_waits_for_an_idle_holder_to_reach_its_idle_deadline(make):
+    m, clock = make()
+    held, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": 8 * 3600})
+    queued, _ = m.request(BOB, {"gpus": 1})
+    clock.advance(120)  # alice does nothing with it: idle since the grant
+    view = m.view(queued, BOB)
+    deadline = held.last_activity + 600
+    assert view["estimated_start"] == deadline  # not the 8 h time limit
+    assert view["estimated_start_range"] == [deadline, deadline]  # known: no spread
+    assert m.state.planned[queued.id] == held.expires_at  # the time-limit plan, for comparison
+
+
+def test_a_running_holder_is_expected_to_run_as_long_as_similar_cells_did(make):
+    m, clock = make()
+    run_cells(m, clock, ALICE, 300)  # alice's cells in train.ipynb took 5 min
+    held, _ = m.request(ALICE, {"gpus": 1, "labels": {"notebook": "train.ipynb"}})
+    queued, _ = m.request(BOB, {"gpus": 1})
+    clock.advance(100)
+    m.activity(held, clock.now())  # running a cell
+    view = m.view(queued, BOB)
+    assert view["estimated_start"] == pytest.approx(held.granted_at + 300)
+    low, high = view["estimated_start_range"]
+    assert low <= view["estimated_start"] <= high
+    assert view["estimated_start"] < held.expires_at  # the 1 h time limit is only the upper bound
+
+
+def test_the_history_is_fed_by_lease_ends_and_kept_per_user_notebook_and_size(make):
+    m, clock = make()
+    run_cells(m, clock, ALICE, 300, times=2)
+    keys = m.estimates.keys(m.list_leases(ALICE, include_ended=1)[0])
+    assert [list(m.estimates.history.get(k)) for k in keys] == [[300.0, 300.0]] * 3
+
+
+def test_a_range_shows_how_unsure_the_estimate_is(make):
+    m, clock = make()
+    for seconds in (60, 120, 600, 1800, 3000):  # alice's cells: anything from 1 to 50 minutes
+        run_cells(m, clock, ALICE, seconds, times=1)
+    held, _ = m.request(ALICE, {"gpus": 1, "labels": {"notebook": "train.ipynb"}})
+    queued, _ = m.request(BOB, {"gpus": 1})
+    m.activity(held, clock.now())
+    view = m.view(queued, BOB)
+    low, high = view["estimated_start_range"]
+    now = clock.now()
+    assert now + 60 <= low <= view["estimated_start"] <= high <= now + 3000
+    assert high - low >= 1000
+
+
+def test_the_queue_carries_every_head_requests_range_and_events_carry_the_plan(make):
+    m, clock = make(gpus=2)
+    for who in (ALICE, ALICE):
+        m.request(who, {"gpus": 1})
+    first, _ = m.request(BOB, {"gpus": 1})
+    second, _ = m.request(BOB, {"gpus": 1})
+    clock.advance(60)
+    queue = m.views.queue(BOB, clock.now())
+    assert [q["lease_id"] for q in queue] == [first.id, second.id]
+    for q in queue:
+        assert q["estimated_start_range"] is not None
+        assert q["estimated_start_range"][0] <= q["estimated_start"] <= q["estimated_start_range"][1]
+    assert queue[0]["estimated_start"] <= queue[1]["estimated_start"]
+    queued_event = next(e for e in m.events.backlog if e["type"] == "lease" and e["lease"]["id"] == second.id)
+    assert queued_event["lease"]["estimated_start_range"] is None  # a request's own event stays cheap
+
+
+def test_a_gang_estimate_needs_its_gpus_on_one_node(make):
+    m, clock = make(gpus=4, nodes=2)
+    small, _ = m.request(ALICE, {"gpus": 1, "idle_timeout_seconds": 300})  # node 0, idle until +300
+    big, _ = m.request(ALICE, {"gpus": 2, "idle_timeout_seconds": 900})  # node 1, idle until +900
+    gang, _ = m.request(BOB, {"gpus": 2})
+    assert gang.state == LeaseState.QUEUED  # three GPUs free in all, but not two on one node
+    clock.advance(60)
+    assert m.view(gang, BOB)["estimated_start"] == small.last_activity + 300  # node 0 frees first
+
+
+def test_a_real_broker_answers_with_the_range(broker_factory):
+    broker = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.default_idle_timeout_seconds=600"])
+    c = broker.client()
+    held = c.request_lease(1, heartbeat=False)
+    queued = c.request_lease(1, heartbeat=False)
+    assert held["state"] == "granted" and queued["state"] == "queued"
+    low, high = queued["estimated_start_range"]
+    assert low <= queued["estimated_start"] <= high <= held["expires_at"]
+    (entry,) = c.queue()
+    assert entry["lease_id"] == queued["id"] and entry["estimated_start_range"] is not None
+
+
+def test_the_time_limit_bounds_a_holder_until_it_was_renewed(make):
+    m, clock = make(max_duration_seconds=8 * 3600)
+    run_cells(m, clock, ALICE, 3 * 3600)  # alice's leases held their GPUs for 3 h: longer than 1 h limits
+    held, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": 3600, "labels": {"notebook": "train.ipynb"}})
+    queued, _ = m.request(BOB, {"gpus": 1})
+    m.activity(held, clock.now())
+    assert m.view(queued, BOB)["estimated_start"] == held.expires_at  # the limit bounds it
+    clock.advance(1800)
+    m.renew(held.id, ALICE, 3600)  # renewed: it may be again, as alice's were
+    m.activity(held, clock.now())
+    assert m.view(queued, BOB)["estimated_start"] == pytest.approx(held.granted_at + 3 * 3600)
+
+
+def test_a_request_for_a_gpu_type_waits_for_a_gpu_of_that_type():
+    clock = VirtualClock()
+    m = LeaseManager(Store(":memory:"), SimulatedInventory(cluster="1x1:A100-40GB,1x1:H100"),
+                     LeasePolicy(heartbeat_timeout=0.0, default_idle_timeout_seconds=600.0), clock=clock)
+    m.restore()
+    h100, _ = m.request(ALICE, {"gpus": 1, "gpu_type": "H100", "idle_timeout_seconds": 900})
+    a100, _ = m.request(ALICE, {"gpus": 1, "gpu_type": "A100", "idle_timeout_seconds": 300})
+    queued, _ = m.request(BOB, {"gpus": 1, "gpu_type": "H100"})
+    clock.advance(60)
+    assert m.view(queued, BOB)["estimated_start"] == h100.last_activity + 900  # not the A100's +300
