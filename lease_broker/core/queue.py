@@ -152,9 +152,15 @@ class Queue:
 
     def head(self, n: int) -> list[Pending]:
         out: list[Pending] = []
-        if n > 0:
-            for p in self:
-                out.append(p)
+        by_seq = self._by_seq
+        for start, end in self._tied():
+            if len(out) >= n:
+                break
+            if end - start == 1:  # one user's bucket: a slice
+                out.extend(by_seq[seq] for seq in self._order[start].seqs[:n - len(out)])
+                continue
+            for seq in heapq.merge(*(b.seqs for b in self._order[start:end])):
+                out.append(by_seq[seq])
                 if len(out) >= n:
                     break
         return out

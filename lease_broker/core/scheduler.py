@@ -131,6 +131,7 @@ class _State:
         self.budget: dict[str, float] = {}
         self.windows = WindowMap([], now)  # advance reservations: which GPUs each one holds (set when there are)
         self._groups: dict[str, Sequence[str]] = {}
+        self._cap_memo: dict[str, tuple[float, tuple[tuple[str, float], ...]]] = {}
         self.types = TypeRoom(policy.type_caps, policy.gpu_types)
         self.gheld: dict[str, float] = {}
         for user, n in held.items():
@@ -165,15 +166,23 @@ class _State:
     def within_cap(self, p: Pending, count: float) -> bool:
         return self._cap_room(p) + 1e-9 >= count
 
+    def _caps(self, user: str) -> tuple[float, tuple[tuple[str, float], ...]]:
+        """The user's cap and their groups' caps (asked of the policy once per pass)."""
+        caps = self._cap_memo.get(user)
+        if caps is None:
+            group_cap = self.policy.group_cap
+            caps = self._cap_memo[user] = (self.policy.user_cap(user),
+                                           tuple((g, group_cap(g)) for g in self.groups(user)))
+        return caps
+
     def _cap_room(self, p: Pending) -> float:
         """How many GPUs ``p`` may still get: user and group caps, and GPU-seconds left today."""
-        cap = self.policy.user_cap(p.user)
+        cap, groups = self._caps(p.user)
         room = INF if cap <= 0 else cap - self.held.get(p.user, 0.0)
         left = self.budget.get(p.user)
         if left is not None:
             room = min(room, left / max(p.duration, 1e-9))
-        for g in self.groups(p.user):
-            gcap = self.policy.group_cap(g)
+        for g, gcap in groups:
             if gcap > 0:
                 room = min(room, gcap - self.gheld.get(g, 0.0))
             left = self.budget.get("@" + g)
@@ -279,19 +288,23 @@ class _State:
     def still_holds(self, r: Reservation) -> bool:
         """Whether an earlier pass's reservation still stands: its GPUs are still here, none is held past its
         start (a renewal) or planned for an earlier request of this pass, and its start has not passed."""
-        if r.start < self.now or self.windows.of:
+        start, now, by_id, busy_until = r.start, self.now, self.by_id, self.busy_until
+        if start < now or self.windows.of:
             return False
         for gid in r.gpu_ids:
-            s = self.by_id.get(gid)
-            if s is None or (not s.idle and s.free_at > r.start) or self.busy_until.get(gid, self.now) > r.start:
+            s = by_id.get(gid)
+            if s is None or (s.free_at > start and not s.idle) or busy_until.get(gid, now) > start:
                 return False
         return True
 
     def book(self, r: Reservation) -> None:
         """Hold a reservation's GPUs: later requests of this pass may use them only if they end first."""
+        reserved_from, busy_until, start, end = self.reserved_from, self.busy_until, r.start, r.end
         for gid in r.gpu_ids:
-            self.reserved_from[gid] = min(self.reserved_from.get(gid, INF), r.start)
-            self.busy_until[gid] = max(self.busy_until.get(gid, 0.0), r.end)
+            if reserved_from.get(gid, INF) > start:
+                reserved_from[gid] = start
+            if busy_until.get(gid, 0.0) < end:
+                busy_until[gid] = end
 
     def reserve(self, p: Pending) -> Reservation | None:
         """Plan the earliest start of a blocked request on the GPUs that free soonest (a whole one for a shared

@@ -221,9 +221,10 @@ class LeaseManager:
         before = None if new else lease.state
         if before is not None and change.state is not None:
             check_transition(lease.id, before, change.state)
-        saved = copy.copy(lease)
+        writes = new or change.state is not None or change.stored or change.attach is not None
+        saved = copy.copy(lease) if writes else lease  # (the undo of a write; activity alone writes nothing)
         change.apply(lease, now)
-        if new or change.state is not None or change.stored or change.attach is not None:
+        if writes:
             try:
                 with self.group.write(lambda: self._undo(lease, saved, new)) as db:
                     self.store.write_lease(db, lease, now, new=new, attach=change.attach,

@@ -212,6 +212,11 @@ class _LeaseSim(_Sim):
         self.run.notes.extend(self.notes)
         self.run.limits, self.record_estimates = limits, estimates
         self.idle_req = idle
+        # a running lease whose last activity is more recent than this meets none of the enforcer's idle checks
+        # (mark idle, idle or pressure revocation, their warnings): the runner need not report it again
+        pol = self.m.policy
+        timeouts = [t for t in (idle, pol.pressure_idle_timeout_seconds) if t > 0]
+        self.quiet = min([pol.idle_mark_seconds] + [t - pol.warn_before_seconds for t in timeouts])
         self.sessions: dict[str, list[Burst]] = {}
         for i, b in enumerate(trace.bursts):
             self.sessions.setdefault(b.session or f"#burst{i}", []).append(b)
@@ -325,7 +330,7 @@ class _LeaseSim(_Sim):
     def _tick(self) -> None:
         now = self.clock.now()
         for running in self.running.values():  # running cells are active: the runner says so
-            if running.state in HOLDING:
+            if running.state in HOLDING and now - running.last_activity >= self.quiet:
                 self.m.activity(running, now)
         self.m.tick()
         self.collect()
