@@ -1,6 +1,6 @@
 """Small requests first: within a priority class, requests of at most ``small_first_gpus`` GPUs go before bigger
-ones, until a bigger one has waited ``small_first_timeout``: from then on it keeps its place in the queue (fair
-share, then arrival), so a gang is passed over for a bounded time, never starved.
+ones, until a bigger one has waited ``small_first_timeout``: from then on the first such one keeps its place in
+the queue (fair share, then arrival), so a gang is passed over for a bounded time, never starved.
 
 Why (BENCHMARKS.md, the contended 2x8 replay): on a cluster the same people contend for, a one-GPU cell that
 queues behind gangs waits for them (the GPUs that free go to the gangs' reservations), and a notebook's next cell
@@ -16,20 +16,26 @@ from .pass_types import Pending, SchedulerPolicy
 
 
 def small_first(pending: Iterable[Pending], policy: SchedulerPolicy, now: float) -> Iterable[Pending]:
-    """``pending`` (in queue order) with the small requests of each priority class first; bigger requests that
-    have waited ``small_first_timeout`` keep their place among them. A stable reorder: ``pending`` as it is when
-    ``small_first_gpus`` is 0."""
+    """``pending`` (in queue order) with the small requests of each priority class first; the first bigger request
+    of a class that has waited ``small_first_timeout`` keeps its place among them (one at a time, as EASY backfill
+    protects the head: the next one keeps its place once that one started). A stable reorder: ``pending`` as it
+    is when ``small_first_gpus`` is 0."""
     small = policy.small_first_gpus
     if small <= 0:
         return pending
     ranks, timeout = policy.priority_ranks, policy.small_first_timeout
-
-    def key(p: Pending) -> tuple[int, bool]:
+    kept: set[int] = set()  # the classes whose first waited-long bigger request has been seen
+    keyed: list[tuple[int, bool, int, Pending]] = []
+    for i, p in enumerate(pending):
         req = p.request
-        first = req.shared or req.min_gpus <= small or now - p.queued_at >= timeout
-        return (-ranks.get(req.priority, 0), not first)
-
-    return sorted(pending, key=key)
+        rank = ranks.get(req.priority, 0)
+        first = req.shared or req.min_gpus <= small
+        if not first and rank not in kept and now - p.queued_at >= timeout:
+            kept.add(rank)
+            first = True
+        keyed.append((-rank, not first, i, p))
+    keyed.sort(key=lambda k: k[:3])
+    return [k[3] for k in keyed]
 
 
 def small_need(head: Pending, smallest: int | None, small_gpus: int, timeout: float, now: float) -> int:

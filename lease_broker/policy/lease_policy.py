@@ -64,8 +64,8 @@ class LeasePolicy(LimitsPolicy, Configurable):
     pressure_idle_timeout_seconds = Float(
         0.0,
         config=True,
-        help="Idle timeout in seconds while the request at the head of the queue would fit on an idle lease's "
-        "GPUs (with the free GPUs of its node): the lease is warned and revoked after this long without "
+        help="Idle timeout in seconds while the request at the head of the queue (with small_first_gpus, a small "
+        "request that goes before it) would fit on an idle lease's GPUs (with the free GPUs of its node): the lease is warned and revoked after this long without "
         "activity instead of its own idle timeout (never later than that; with no one waiting the lease's "
         "own timeout holds): the floor below which waiting requests never push an idle lease. 0 = off. "
         "Example: 60.",

@@ -64,6 +64,13 @@ def test_small_first_keeps_arrival_order_within_each_tier():
     assert [p.lease_id for p in small_first(pend, SchedulerPolicy(), NOW)] == ["g1", "c1", "g2", "c2", "s"]
 
 
+def test_only_the_first_gang_that_waited_long_keeps_its_place():
+    pend = [req("g1", 4, 1, queued_at=NOW - 7200), req("g2", 8, 2, queued_at=NOW - 7200), req("c", 1, 3)]
+    assert [p.lease_id for p in small_first(pend, SMALL, NOW)] == ["g1", "c", "g2"]
+    # once g1 started, g2 is the one that keeps its place
+    assert [p.lease_id for p in small_first(pend[1:], SMALL, NOW)] == ["g2", "c"]
+
+
 @pytest.mark.parametrize(
     ("head", "smallest", "need"),
     [
