@@ -53,6 +53,31 @@ def pressure_sweep(trace: Trace, pressures: list[float]) -> list[Figure]:
     return figures
 
 
+def small_first_sweep(trace: Trace, settings: list[tuple[float, float]]) -> list[Figure]:
+    """The contended 2x8 cluster with small requests first (``small_first_gpus=1``) for each (``small_first_timeout``,
+    ``pressure_idle_timeout_seconds``) of ``settings``, against today's default policy in the same run (issue 22)."""
+    cluster = Cluster(2, 8)
+    off = summarize(replay(trace, cluster, mode="lease", idle=600))
+    o = off["time_to_gpu_s"]
+    figures = []
+    for timeout, pressure in settings:
+        conf = {"small_first_gpus": 1, "small_first_timeout": timeout, "pressure_idle_timeout_seconds": pressure}
+        s = summarize(replay(trace, cluster, LeasePolicy(config=Config(LeasePolicy=Config(**conf))), mode="lease",
+                             idle=600))
+        t = s["time_to_gpu_s"]
+        figures.append(figure(
+            f"time to GPU, 1-GPU cells, p95, {cluster}, idle 10m, small first (timeout {timeout / 3600:g} h), "
+            f"pressure idle timeout {pressure:g} s", "s", [t["1"]["p95"]], "today's default policy, same run", [o["1"]["p95"]],
+            note=f"`{COMMAND.split(' --sweep')[0].format(cluster=cluster)} --idle 10m --config C` with "
+                 + ", ".join(f"c.LeasePolicy.{k} = {v:g}" for k, v in conf.items())
+                 + f". Held-but-idle {_pct(s['reserved_idle_fraction']):.2f} % (default: "
+                 f"{_pct(off['reserved_idle_fraction']):.2f} %); 8-GPU p95 {t['8']['p95']:.0f} s (default: "
+                 f"{o['8']['p95']:.0f} s); 4-GPU p95 {t['4']['p95']:.0f} s (default: {o['4']['p95']:.0f} s); cold "
+                 f"re-grants {s['cold_regrants']} (default: {off['cold_regrants']}).",
+        ))
+    return figures
+
+
 def estimates(trace: Trace) -> list[Figure]:
     """Start estimates on the contended 2x8 cluster: for every request that queued, the estimate it was told at
     once against its real wait, beside the time-limit plan of the same run (issue 21)."""
@@ -121,6 +146,8 @@ def run(opts: Any) -> list[Figure]:
                      f"(baseline {base['fairness_jain']:.3f}).",
             ))
     figures += pressure_sweep(trace, [60.0] if quick else [30.0, 60.0, 120.0, 300.0])
+    figures += small_first_sweep(trace, [(3600.0, 0.0)] if quick else
+                                 [(3600.0, 0.0), (3600.0, 120.0), (43200.0, 120.0), (172800.0, 120.0)])
     figures += estimates(trace)
     reps = 1 if quick else 3
     walls, base_walls = [], []

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from .gpufit import Aliases
-from .lease import LeaseRequest
+from .lease import Lease, LeaseRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +16,12 @@ class Pending:
     request: LeaseRequest
     seq: int
     duration: float  # effective lease duration (policy applied)
+    queued_at: float = 0.0  # when it was requested (small_first_timeout counts from here)
+
+    @classmethod
+    def of(cls, lease: Lease) -> Pending:
+        """A queued lease as a pass sees it."""
+        return cls(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds, lease.created_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,8 @@ class SchedulerPolicy:
     group_cap: Callable[[str], float] = lambda group: 0.0  # GPUs a group's members hold together; 0 = unlimited
     gpu_types: Aliases = ()  # admin-configured GPU type names (gpufit.aliases_of)
     type_caps: Callable[[str], Mapping[str, float]] = lambda user: {}  # GPUs of a type a user may hold at once
+    small_first_gpus: int = 0  # requests of at most this many GPUs go before bigger ones of their class; 0 = off
+    small_first_timeout: float = 3600.0  # ...until the bigger one has waited this long (seconds): then it keeps its place
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ No I/O and no clock: everything it needs is passed in, so it is tested table by
 table and replayed over traces with a virtual clock.
 
 Order: priority class, then fair share (lower decayed usage per weight first),
-then arrival. A gang is placed only where all its GPUs fit with its locality, and
+then arrival; with ``small_first_gpus``, small requests before bigger ones of their
+class until those have waited ``small_first_timeout`` (``small_first.py``). A gang is placed only where all its GPUs fit with its locality, and
 never partially. Every lease has a time limit, so the scheduler can plan: the
 first ``backfill_depth`` requests that cannot start now reserve the GPUs that free
 up soonest, and later requests may use those GPUs only if they end before the
@@ -24,6 +25,7 @@ from .gpufit import TypeRoom, constrained, fit_rule
 from .pass_types import Decision, Grant, Growing, Pending, Reservation, SchedulerPolicy
 from .reservation_windows import Window, WindowMap
 from .slots import Slot, SlotIndex, pick_connected
+from .small_first import small_first
 
 __all__ = ["Slot", "SlotIndex", "Pending", "Grant", "SchedulerPolicy", "Growing", "Decision", "Reservation",
            "schedule", "queue_order", "pick_connected"]
@@ -78,7 +80,7 @@ def schedule(
     # reservations, whose GPUs depend on who asks.
     no_fit: dict[tuple[int, str, str, int], float] = {}
     depth, ix = policy.backfill_depth, state.ix
-    for p in (pending if ordered else queue_order(pending, policy, usage)):
+    for p in small_first(pending if ordered else queue_order(pending, policy, usage), policy, now):
         req = p.request
         shared = req.shared
         if blocked >= depth and not shared and ix.idle_total < req.min_gpus:

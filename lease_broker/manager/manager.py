@@ -271,7 +271,7 @@ class LeaseManager:
         self.gpus_changed()
 
     def _enqueue(self, lease: Lease, score: float) -> None:
-        self.state.queue.add(Pending(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds), score)
+        self.state.queue.add(Pending.of(lease), score)
 
     def _log_transition(self, lease: Lease, before: LeaseState) -> None:
         key = (before.value, lease.state.value)

@@ -64,8 +64,8 @@ class LeasePolicy(LimitsPolicy, Configurable):
     pressure_idle_timeout_seconds = Float(
         0.0,
         config=True,
-        help="Idle timeout in seconds while the request at the head of the queue would fit on an idle lease's "
-        "GPUs (with the free GPUs of its node): the lease is warned and revoked after this long without "
+        help="Idle timeout in seconds while the request at the head of the queue (with small_first_gpus, a small "
+        "request that goes before it) would fit on an idle lease's GPUs (with the free GPUs of its node): the lease is warned and revoked after this long without "
         "activity instead of its own idle timeout (never later than that; with no one waiting the lease's "
         "own timeout holds): the floor below which waiting requests never push an idle lease. 0 = off. "
         "Example: 60.",
@@ -92,6 +92,21 @@ class LeasePolicy(LimitsPolicy, Configurable):
         config=True,
         help="How many blocked requests at the head of the queue reserve GPUs as they free up; "
         "later requests may use those GPUs only if they end first. 0 = no reservations (plain priority).",
+    )
+    small_first_gpus = Integer(
+        0,
+        config=True,
+        help="Requests of at most this many GPUs go before bigger ones of their priority class (a notebook's "
+        "one-GPU cell before an 8-GPU gang that waits for a whole node anyway), until the bigger one has waited "
+        "small_first_timeout: from then on it keeps its place (fair share, then arrival). 0 = off (queue order "
+        "only). Example: 1.",
+    )
+    small_first_timeout = Float(
+        3600.0,
+        config=True,
+        help="Seconds a request bigger than small_first_gpus may be passed over by smaller ones; after that it "
+        "keeps its place in the queue and its reservation, so it is never starved. Must be above 0. "
+        "Example: 3600 (1 h).",
     )
     queue_depth = Integer(
         100,
@@ -141,7 +156,8 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "Example: 'kill'.",
     )
 
-    @validate("default_duration_seconds", "max_duration_seconds", "term_timeout", "drain_timeout")
+    @validate("default_duration_seconds", "max_duration_seconds", "term_timeout", "drain_timeout",
+              "small_first_timeout")
     def _valid_positive(self, proposal: dict[str, Any]) -> float:
         return _positive(proposal["trait"].name, proposal["value"], allow_zero=False)
 
@@ -155,6 +171,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "pressure_idle_timeout_seconds",
         "max_shares_per_gpu",
         "full_pass_seconds",
+        "small_first_gpus",
     )
     def _valid_nonneg(self, proposal: dict[str, Any]) -> float:
         return _positive(proposal["trait"].name, proposal["value"])
@@ -180,6 +197,8 @@ class LeasePolicy(LimitsPolicy, Configurable):
             group_cap=self.group_cap,
             gpu_types=self.gpu_type_aliases(),
             type_caps=self.type_caps,
+            small_first_gpus=self.small_first_gpus,
+            small_first_timeout=self.small_first_timeout,
         )
 
     def gpu_type_aliases(self) -> Aliases:

@@ -166,6 +166,33 @@ def test_pressure_needs_someone_the_gpus_would_serve(make):
     assert a.state == LeaseState.REVOKED and a.reason == "idle"
 
 
+@pytest.mark.parametrize("small_first", [0, 1])
+def test_pressure_serves_a_one_gpu_cell_that_goes_before_a_gang(make, small_first):
+    """With small_first_gpus the one-GPU cell behind a gang goes first, so an idle lease's GPU serves it: the lease
+    is warned and revoked at the pressure timeout and the cell gets the GPU; without, the gang (which that GPU
+    would not serve) is the head and the idle lease keeps its own timeout."""
+    m, clock = make(gpus=4, nodes=2, small_first_gpus=small_first, **PRESSURE)
+    a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    y, _ = m.request(CAROL, {"gpus": 1, "heartbeat": False})
+    z, _ = m.request(CAROL, {"gpus": 2, "heartbeat": False})
+    gang, _ = m.request(BOB, {"gpus": 2, "heartbeat": False, "locality": "node"})
+    cell, _ = m.request(BOB, {"gpus": 1, "heartbeat": False})
+    assert gang.state == cell.state == LeaseState.QUEUED
+    clock.advance(55)
+    for busy in (y, z):
+        m.heartbeat(busy.id, CAROL, active=True)
+    m.tick()
+    if not small_first:
+        assert a.state == LeaseState.IDLE and not events_of(m, "warning")
+        return
+    assert [(w["lease_id"], w["deadline"]) for w in events_of(m, "warning")] == [(a.id, a.last_activity + 60)]
+    assert a.state == LeaseState.IDLE  # not before the floor
+    clock.advance(5)
+    m.tick()
+    assert a.state == LeaseState.REVOKED and a.reason == "idle_pressure"
+    assert cell.state == LeaseState.GRANTED and cell.devices == a.devices and gang.state == LeaseState.QUEUED
+
+
 def test_renew_within_and_beyond_maximum(make):
     m, clock = make(gpus=1, default_duration_seconds=100, max_duration_seconds=300)
     a, _ = m.request(ALICE, {"gpus": 1})
