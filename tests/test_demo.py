@@ -85,7 +85,11 @@ def test_one_ctrl_c_stops_jupyterlab_and_the_broker(tmp_path: Path) -> None:
     assert not (demo / "broker.sock").exists(), "the broker's socket is left behind"
     assert "Stopped JupyterLab and the broker." in text
     assert "Shut down this Jupyter server" not in text
-    assert "deprecated" not in text.lower(), text  # current option names (--IdentityProvider.token)
+    # current option names (--IdentityProvider.token); an installed extension's own warning (ipyparallel's, once
+    # `make bench` has installed it: "_jupyter_server_extension_points ... was not found") is not the demo's
+    ours = [line for line in text.splitlines()
+            if "deprecat" in line.lower() and "_jupyter_server_extension_" not in line]
+    assert not ours, ours
 
 
 def _drain(fd: int, into: bytearray) -> None:
