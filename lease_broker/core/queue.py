@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 
 from .scheduler import Pending
@@ -164,6 +165,31 @@ class Queue:
                 if len(out) >= n:
                     break
         return out
+
+    def window(self, start: int, n: int) -> Iterator[Pending]:
+        """The requests at places ``start`` to ``start + n - 1`` (0-based) in queue order, lazily; the users'
+        buckets before ``start`` are skipped by their sizes, so the cost is O(users) plus what is read."""
+        by_seq, skip = self._by_seq, start
+        for first, end in self._tied():
+            if n <= 0:
+                return
+            size = sum(len(b.seqs) for b in self._order[first:end])
+            if skip >= size:
+                skip -= size
+                continue
+            if end - first == 1:
+                seqs: Iterator[int] = iter(self._order[first].seqs[skip:skip + n])
+            else:
+                seqs = itertools.islice(heapq.merge(*(b.seqs for b in self._order[first:end])), skip, skip + n)
+            skip = 0
+            for seq in seqs:
+                n -= 1
+                yield by_seq[seq]
+
+    def order_key(self, p: Pending) -> tuple[int, int]:
+        """Sorts queued requests in queue order (as ``in_order`` does)."""
+        self._tied()
+        return self._order_key(p)
 
     def position(self, lease_id: str) -> int | None:
         """1-based place in the queue, or None when it is not queued: O(users)."""

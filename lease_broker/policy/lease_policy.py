@@ -123,6 +123,14 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "bf_interval). A policy change, a reservation or a change of the GPUs brings the next one forward. "
         "0 = a full pass on every event (costs O(queue) each). Example: 10.",
     )
+    full_pass_depth = Integer(
+        2000,
+        config=True,
+        help="How many requests beyond queue_depth one full pass checks for a start, going on where the last "
+        "full pass stopped (like Slurm's bf_max_job_test with bf_continue): a full pass costs at most this much "
+        "however deep the queue, and every request is checked within queue length / full_pass_depth full "
+        "passes. 0 = the whole queue in every full pass. Example: 2000.",
+    )
     max_shares_per_gpu = Float(
         1.0, config=True, help="Sum of the fractions of shared leases one GPU may hold. Example: 1.0."
     )
@@ -171,6 +179,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "pressure_idle_timeout_seconds",
         "max_shares_per_gpu",
         "full_pass_seconds",
+        "full_pass_depth",
         "small_first_gpus",
     )
     def _valid_nonneg(self, proposal: dict[str, Any]) -> float:

@@ -91,6 +91,8 @@ def test_random_changes_keep_the_order_by_definition():
             expected = reference(list(live.values()))
             assert [p.lease_id for p in q] == expected
             assert [p.lease_id for p in q.head(10)] == expected[:10]
+            start = rng.randrange(len(expected) + 1)
+            assert [p.lease_id for p in q.window(start, 25)] == expected[start:start + 25]
             for lid in rng.sample(expected, min(5, len(expected))):
                 assert q.position(lid) == expected.index(lid) + 1
     assert len(q) == len(live)

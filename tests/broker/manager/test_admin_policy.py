@@ -563,3 +563,26 @@ def test_no_preemption_for_a_request_that_a_reservation_blocks():
     m.reservations.create(ADMIN, {"gpus": 1, "user": "carol", "start": "now", "duration_seconds": HOUR}, m.clock.now())
     hi, _ = m.request(BOB, {"gpus": 2, "priority": "high"})  # would need carol's reserved GPU too
     assert hi.state == LeaseState.QUEUED and low.state.holding
+
+
+def test_a_full_pass_checks_the_queue_beyond_its_head_a_window_at_a_time():
+    """A request deep in the queue that could start (behind requests of its shape held back by their user's cap)
+    is found by the full passes' window (full_pass_depth), which goes on where the last one stopped."""
+    m, clock = make(gpus=2, queue_depth=1, full_pass_depth=2, full_pass_seconds=10, backfill_depth=0,
+                    user_limits={"capped": {"max_gpus": 1}})
+    capped, other, free = Identity("capped", uid=3001), Identity("other", uid=3002), Identity("free", uid=3003)
+    m.request(capped, {"gpus": 1})
+    blocker, _ = m.request(other, {"gpus": 1})
+    for _ in range(5):  # capped's, all of one shape: the first is the event pass's head, the next its shape head
+        m.request(capped, {"gpus": 1, "priority": "high"})  # (ahead of deep whatever fair share says)
+    deep, _ = m.request(free, {"gpus": 1})
+    assert deep.state == LeaseState.QUEUED and m.state.queue.position(deep.id) == 6
+    m.release(blocker.id, other)  # a GPU frees: the event pass sees capped's head and shape head only
+    assert deep.state == LeaseState.QUEUED
+    passes = 0
+    while deep.state == LeaseState.QUEUED:
+        clock.advance(10)
+        m.tick()
+        passes += 1
+        assert passes <= 3, "the window should reach position 6 within (6 - 1) / 2 full passes"
+    assert deep.state.holding and passes >= 2  # not the first window (places 2 and 3): it went on from there
