@@ -79,7 +79,7 @@ def test_nothing_is_made_without_a_size_or_without_room_or_when_a_job_comes_mean
     assert heap.stats["made"] == made
 
 
-def test_a_waiting_worker_gives_its_block_back_when_memory_runs_short(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_waiting_worker_gives_its_block_back_when_memory_runs_short() -> None:
     _usable()
     probe = ("import json, sys\nfrom _queue import SimpleQueue\nfrom jupyter_gpulease.worker import held, reserve\n"
              "h = held.Held()\nh.make(0, 64 << 20)\nmade = h.heap is not None\n"
