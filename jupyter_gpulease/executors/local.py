@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..worker import reserve, transfer
 from ..worker.env import worker_env
+from ..worker.later import later
 from .base import Executor, OutputDecoder, Sink, Worker, WorkerCrashed
 
 if TYPE_CHECKING:
@@ -172,8 +173,8 @@ class WarmPool:
     """Keeps ``size`` pre-started, single-use workers with the preloaded modules imported.
 
     A worker taken for a cell is replaced after the cell (``fill(delay)``), not while it runs: starting an
-    interpreter would take a core from the cell and the kernel's answer. A new worker also gets a reserve
-    (``reserve.INPUTS``): memory for the next cell's large inputs, faulted in while it waits.
+    interpreter would take a core from the cell and the kernel's answer. A new worker is also told what to hold
+    (``reserve.hold_message``): memory for the next cell's large inputs and results, faulted in while it waits.
     """
 
     def __init__(self, python: str | None = None, preload: list[str] | None = None, size: int = 1) -> None:
@@ -198,7 +199,7 @@ class WarmPool:
             if self.size <= 0 or self._filling or len(self._idle) >= self.size:
                 return
             self._filling = True
-        threading.Thread(target=self._refill, args=(delay,), name="gpulease-warm-pool", daemon=True).start()
+        later(self._refill, delay)  # a thread that is already running: starting one would hold up the cell's answer
 
     def _refill(self, delay: float) -> None:
         try:
@@ -209,9 +210,9 @@ class WarmPool:
                     if len(self._idle) >= self.size:
                         return
                 w = LocalWorker(self.python, self.preload)
-                nbytes = reserve.INPUTS.expected()
-                if nbytes:
-                    w.submit({"type": "reserve", "nbytes": nbytes})
+                hold = reserve.hold_message()
+                if hold is not None:
+                    w.submit(hold)
                 with self._lock:
                     self._idle.append(w)
         except Exception:

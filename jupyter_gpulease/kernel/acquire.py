@@ -139,18 +139,22 @@ def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released
 
 
 class Heartbeater:
-    """One thread that heartbeats every lease this process holds."""
+    """One thread that heartbeats every lease this process holds. Started with the first lease, it then waits while
+    there is none: starting a thread waits until it runs, which would hold up the next cell (by milliseconds on a
+    busy host)."""
 
     def __init__(self, client: BrokerClient, interval: float = 10.0) -> None:
         self.client, self.interval = client, interval
         self._leases: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._holding = threading.Event()  # set while there are leases to beat for
         self._thread: threading.Thread | None = None
 
     def add(self, lease_id: str, active: bool = True, on_reply: Any = None) -> None:
         with self._lock:
             self._leases[lease_id] = {"active": active, "on_reply": on_reply}
+            self._holding.set()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="gpulease-heartbeat", daemon=True)
                 self._thread.start()
@@ -190,10 +194,10 @@ class Heartbeater:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self.interval)
-            self._wake.clear()
             with self._lock:
                 if not self._leases:
-                    self._thread = None
-                    return
+                    self._holding.clear()
+            self._holding.wait()  # no lease: nothing to do until the next one (a full interval after it)
+            self._wake.wait(self.interval)
+            self._wake.clear()
             self.beat()

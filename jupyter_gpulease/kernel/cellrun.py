@@ -23,6 +23,7 @@ from ..artifacts import ArtifactDir, now_iso
 from ..client import BrokerClient, BrokerError, LeaseView
 from ..executors.base import Sink, Worker, WorkerCrashed
 from ..worker import transfer, vmcopy
+from ..worker.later import later
 from .acquire import Heartbeater, release_quietly
 from .drive import Sinks, drive
 
@@ -129,7 +130,7 @@ class LeaseRun:
         self.status = "running"
         self.error: dict[str, str] | None = None  # the last failed job's exception: {type, message}
         self._attached: set[int] = set()
-        self._reapers: list[threading.Thread] = []
+        self._reapers: list[threading.Event] = []  # set once each reaped worker is gone
         self._auto_end = False
         self._end_lock = threading.Lock()
         self._notices: list[str] = []
@@ -305,21 +306,22 @@ class LeaseRun:
         """Wait for the worker's exit in the background; with ``then_end``, then release the lease, once the kernel
         has had ``RELEASE_AFTER`` seconds to answer the cell (the release would compete with that answer)."""
         handed = time.monotonic()
+        reaped = threading.Event()
 
         def reap() -> None:
             try:
                 self.exit_status = worker.wait_exit()
                 worker.close()
             finally:
+                reaped.set()
                 if then_end:
                     time.sleep(max(0.0, handed + RELEASE_AFTER - time.monotonic()))
                     self.end(from_reaper=True)
 
         if then_end:
             self._auto_end = True
-        t = threading.Thread(target=reap, name="gpulease-reaper", daemon=True)
-        self._reapers.append(t)
-        t.start()
+        self._reapers.append(reaped)
+        later(reap)  # on a thread that is already running: starting one would hold up the cell's answer
 
     def end(self, reason: str = "released", *, from_reaper: bool = False) -> None:
         """Release the lease (idempotent, after its workers are gone) and write meta.json."""
@@ -328,10 +330,8 @@ class LeaseRun:
         with self._end_lock:
             if self.status == "ended" or (self._auto_end and not from_reaper):
                 return  # already ended, or the reaper ends it the moment the worker is gone
-            me = threading.current_thread()
-            for t in self._reapers:
-                if t is not me:
-                    t.join(30)
+            for reaped in self._reapers:  # (a reaper that ends the lease has set its own)
+                reaped.wait(30)
             status, self.status = self.status, "ended"
         self.heartbeater.remove(self.lease.id)
         final = release_quietly(self.client, self.lease.id, reason) or self._view()

@@ -59,10 +59,11 @@ class GpuMagics(Magics):
     warm_memory = Unicode(
         "4G", config=True,
         help="Most memory, in bytes or a size like '4G', that a warm worker holds faulted in ahead of a lease for "
-        "the next cell's large inputs, and the kernel for a cell's large results while it runs: sized from the "
-        "last 3 cells' values, so a value is copied into memory that is already there instead of paying a page "
-        "fault per page. Taken only while the host keeps 1/8 of its memory (at least 1 GiB) available; a waiting "
-        "worker gives it back when memory runs short. 0: none (values are copied into fresh memory).",
+        "the next cell's large inputs (and as much again as a free block in its heap, for the large values the "
+        "cell allocates itself), and the kernel for a cell's large results while it runs: sized from the last 3 "
+        "cells' values, so a value is copied or computed into memory that is already there instead of paying a "
+        "page fault per page. Taken only while the host keeps 1/8 of its memory (at least 1 GiB) available; a "
+        "waiting worker gives it back when memory runs short. 0: none (values go into fresh memory).",
     )
     worker_python = Unicode(
         "", config=True, help="Python interpreter for workers. Empty: the kernel's own (sys.executable)."
@@ -300,8 +301,8 @@ class GpuMagics(Magics):
         inputs), and memory for the next large results (``reserve``)."""
         if session is None:
             self.pool.fill(REFILL_DELAY)
-        elif session.local and reserve.INPUTS.expected():
-            session.submit({"type": "reserve", "nbytes": reserve.INPUTS.expected()})
+        elif session.local:
+            session.submit(reserve.hold_message() or {"type": "reserve", "nbytes": 0, "heap": 0})
         if reserve.RESULTS.expected():
             reserve.RESULTS.prepare(REFILL_DELAY)
 

@@ -21,9 +21,10 @@ import os
 import sys
 import threading
 import time
-from _queue import Empty, SimpleQueue  # queue.SimpleQueue without importing queue (heapq, ...)
+from _queue import SimpleQueue  # queue.SimpleQueue without importing queue (heapq, ...)
 
 from . import transfer
+from .held import Held
 
 # The worker's start is on the critical path of every cold %%gpu cell: this module imports only
 # what a plain cell needs. typing is for the type checker; traceback and linecache (tokenize)
@@ -230,44 +231,6 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, reserve: A
         }
 
 
-class _Held:
-    """The reserve a waiting worker holds for its next inputs (see ``reserve``); given back when memory runs short."""
-
-    CHECK_SECONDS = 1.0
-
-    def __init__(self) -> None:
-        self.reserve: Any = None
-
-    def make(self, nbytes: int) -> None:
-        from . import reserve
-
-        if self.reserve is not None and self.reserve.nbytes == nbytes and not self.reserve.spent():
-            return
-        self.drop()
-        self.reserve = reserve.make(nbytes)
-
-    def wait(self, jobs: SimpleQueue[Any]) -> Any:
-        """The next message from the kernel; meanwhile, the reserve goes back if the host runs short of memory."""
-        while self.reserve is not None:
-            try:
-                return jobs.get(timeout=self.CHECK_SECONDS)
-            except Empty:
-                from . import reserve
-
-                if reserve.short_of_memory():
-                    self.drop()
-        return jobs.get()
-
-    def after_job(self) -> None:
-        if self.reserve is not None and self.reserve.spent():
-            self.reserve = None
-
-    def drop(self) -> None:
-        if self.reserve is not None:
-            self.reserve.close()
-            self.reserve = None
-
-
 class _Kernel:
     """The way back to the kernel: ``send`` a message, or ``ask`` and wait for its answer (on stdin)."""
 
@@ -325,13 +288,13 @@ def main(argv: list[str] | None = None) -> None:
     transfer.send(ctrl, {"type": "ready", "pid": os.getpid(), "versions": transfer.versions(), "preload_failed": failed})
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     kernel = _Kernel(ctrl, jobs)
-    held = _Held()
+    held = Held()
     while True:
         job = held.wait(jobs)
         if job.get("type") == "stop":
             break
-        if job.get("type") == "reserve":  # memory for the next job's inputs, faulted in while this worker waits
-            held.make(int(job["nbytes"]))
+        if job.get("type") == "reserve":  # memory for the next job's values, faulted in while this worker waits
+            held.make(int(job["nbytes"]), int(job.get("heap") or 0), lambda: not jobs.empty())
             continue
         result = run_job(job, ns, kernel.ask, held.reserve)
         held.after_job()

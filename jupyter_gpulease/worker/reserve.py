@@ -37,6 +37,7 @@ MADV_DONTNEED = 4
 ALIGN = 4096  # each buffer taken from a reserve starts on a page boundary
 HEADROOM = 1 << 30  # ... and at least 1/8 of the host's memory stays available (whichever is more)
 THREADS = 2
+STEP = 32 << 20  # faulted in per call (see ``populate``)
 
 _populate_works: bool | None = None
 
@@ -82,6 +83,14 @@ def _madvise(addr: int, length: int, advice: int) -> int:
     return 0 if fn(addr, length, advice) == 0 else ctypes.get_errno() or -1
 
 
+def populate(addr: int, length: int) -> None:
+    """Fault ``length`` bytes at ``addr`` in, for writing (a background thread's target), ``STEP`` bytes a call:
+    while a call runs it holds the process's memory map lock, and an ``mmap`` or ``munmap`` of another thread of the
+    process (a cell's allocation, the kernel's inline cell) waits for it, at most for one step this way."""
+    for a in range(addr, addr + length, STEP):
+        _madvise(a, min(STEP, addr + length - a), MADV_POPULATE_WRITE)
+
+
 def _can_populate() -> bool:
     global _populate_works
     if _populate_works is None:
@@ -109,7 +118,7 @@ class Reserve:
 
     def _fault(self, lo: int, n: int) -> None:
         if self._early:
-            _madvise(self._addr + lo, n, MADV_POPULATE_WRITE)
+            populate(self._addr + lo, n)
         else:
             ctypes = vmcopy._libc()[0]
             ctypes.memset(self._addr + lo, 0, n)  # zero pages stay zero: only the faults matter
@@ -211,7 +220,9 @@ class Sizes:
     def prepare(self, delay: float = 0.0) -> None:
         """In the background after ``delay`` seconds: a spare reserve of the expected size for the next cell
         (``spare``), given back as soon as the host runs short of memory."""
-        threading.Thread(target=self._prepare, args=(delay,), name="gpulease-reserve-spare", daemon=True).start()
+        from .later import later  # kernel side only
+
+        later(self._prepare, delay)  # a thread that is already running: starting one would hold up the cell's answer
 
     def _prepare(self, delay: float) -> None:
         if delay > 0:
@@ -231,8 +242,8 @@ class Sizes:
             self._watching = self._watching or watch
         if spare is not None:  # another prepare won the race: keep one
             spare.close()
-        if watch:
-            self._watch()
+        if watch:  # on a thread of its own: it waits as long as the spare is kept
+            threading.Thread(target=self._watch, name="gpulease-reserve-watch", daemon=True).start()
 
     def _watch(self) -> None:
         while True:
@@ -260,5 +271,12 @@ class Sizes:
             spare.close()
 
 
-#: the kernel's recent inputs (a warm worker's reserve) and results (the kernel's spare reserve)
+#: the kernel's recent inputs (a warm worker's reserve) and results (the kernel's spare reserve, and the heap block a
+#: warm worker makes for what the cell allocates: see ``heap``)
 INPUTS, RESULTS = Sizes(), Sizes()
+
+
+def hold_message() -> dict[str, Any] | None:
+    """What the kernel tells a waiting worker to hold for its next job (see ``held``), or None: nothing large."""
+    nbytes, heap = INPUTS.expected(), RESULTS.expected()
+    return {"type": "reserve", "nbytes": nbytes, "heap": heap} if nbytes or heap else None

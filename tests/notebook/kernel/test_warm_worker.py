@@ -82,8 +82,9 @@ def test_values_arrive_right_through_memory_reserved_ahead_and_reserves_can_be_t
         kernel: Kernel) -> None:
     r = kernel.run("import numpy as np\nfrom jupyter_gpulease.worker import reserve\nx = np.arange(1 << 20, dtype='f8')")
     assert r.status == "ok", r.outputs
-    cell = ("%%gpu --in x --out y,got\nfrom jupyter_gpulease.worker import reserve\n"
-            "got = reserve.stats['taken_bytes']\ny = x * 2")
+    cell = ("%%gpu --in x --out y,got,inheap\nfrom jupyter_gpulease.worker import heap, reserve\n"
+            "got = reserve.stats['taken_bytes']\ny = x * 2\n"
+            "inheap = heap.stats['made'], heap.stats['lo'] <= y.ctypes.data < heap.stats['hi']")
     assert kernel.run(cell).status == "ok"  # the first 8 MiB cell: nothing reserved yet, sizes noted
     taken = []
     for i in range(1, 3):
@@ -99,6 +100,8 @@ def test_values_arrive_right_through_memory_reserved_ahead_and_reserves_can_be_t
         ok, writable, in_worker, in_kernel = r.stdout.split()
         assert ok == "True" and writable == "True"
         taken.append((int(in_worker), int(in_kernel)))
+        # the cell's own y (numpy, through malloc) landed in the heap block its worker made while it waited
+        assert kernel.run("print(inheap)").stdout.strip() == "(1, True)"
     assert all(t == (8 << 20, 8 << 20) for t in taken), taken  # copied into reserves on both sides
     # off: no reserves anywhere, values still right
     assert kernel.run("%config GpuMagics.warm_memory = '0'").status == "ok"
@@ -109,8 +112,9 @@ def test_values_arrive_right_through_memory_reserved_ahead_and_reserves_can_be_t
     r = kernel.run("before = reserve.stats['taken_bytes']")
     for _ in range(2):
         assert kernel.run(cell).status == "ok"
-    r = kernel.run("print(bool((y == (np.arange(1 << 20) + 2) * 2).all()), got, reserve.stats['taken_bytes'] - before)")
-    assert r.stdout.split() == ["True", "0", "0"], r.stdout
+    r = kernel.run("print(bool((y == (np.arange(1 << 20) + 2) * 2).all()), got, reserve.stats['taken_bytes'] - before,"
+                   " inheap[0])")
+    assert r.stdout.split() == ["True", "0", "0", "0"], r.stdout  # no heap block made either
 
 
 def test_a_session_worker_gets_memory_for_its_next_inputs(kernel: Kernel) -> None:
@@ -124,3 +128,33 @@ def test_a_session_worker_gets_memory_for_its_next_inputs(kernel: Kernel) -> Non
         got.append(int(kernel.run("print(t)").stdout))
     assert got[1] - got[0] == 8 << 20, got  # each later cell's x went into memory faulted in between cells
     assert kernel.run("%gpu session stop s").status == "ok"
+
+
+COUNT_STARTS = (
+    "import threading\n"
+    "_starts = []\n"
+    "_start = threading.Thread.start\n"
+    "def _counting(self, *a, **k):\n"
+    "    if threading.current_thread() is threading.main_thread():\n"
+    "        _starts.append(self.name)\n"
+    "    return _start(self, *a, **k)\n"
+    "threading.Thread.start = _counting"
+)
+
+SETTLED = (  # the last cell's work is done: its lease released, the next warm worker waiting
+    "_m = get_ipython().find_magic('gpu').__self__\n"
+    "print(bool(_m.pool._idle) and not _m.pool._filling and not _m.client.leases())"
+)
+
+
+def test_a_cell_starts_no_thread_while_the_user_waits(kernel: Kernel) -> None:
+    """Starting a thread waits until it runs (milliseconds on a busy host): what the kernel does after a cell (reap
+    the worker, release the lease, start the next warm worker, fault in memory) goes to threads already running."""
+    for _ in range(2):  # the first cells start what later cells reuse
+        assert kernel.run("%%gpu\npass").status == "ok"
+        wait_for(lambda: kernel.run(SETTLED).stdout.strip() == "True", 30, "the cell's work after it")
+    assert kernel.run(COUNT_STARTS).status == "ok"
+    assert kernel.run("%%gpu\nx = 1").status == "ok"
+    r = kernel.run("threading.Thread.start = _start\nprint(_starts)")
+    assert r.stdout.strip() == "[]", r.stdout
+    wait_for(lambda: kernel.run(SETTLED).stdout.strip() == "True", 30, "the cell's lease released after it")
