@@ -260,9 +260,13 @@ class Sizes:
             return
 
     def spare(self) -> Reserve | None:
-        """The spare reserve (taken: the next ``prepare`` makes another), or None."""
+        """The spare reserve (taken: the next ``prepare`` makes another), or None; a spare larger than ``limit``
+        now (a ``prepare`` that finished after the limit was lowered, e.g. ``warm_memory = 0``) is given back."""
         with self._lock:
             spare, self._spare = self._spare, None
+        if spare is not None and spare.nbytes > self.limit:
+            spare.close()
+            return None
         return spare
 
     def drop(self) -> None:
