@@ -140,11 +140,13 @@ def load_sessions(path: str | Path) -> list[Session]:
 def derive_sessions(bursts: Iterable[Burst]) -> list[Session]:
     """Sessions implied by the bursts: first start to last end, holding the largest request."""
     spans: dict[str, list[float]] = {}
+    users: dict[str, str] = {}  # the session's user: its bursts' (the same as the lease replay asks as)
     for i, b in enumerate(bursts):
         key = b.session or f"#burst{i}"  # a burst without a session is a session of its own
         s = spans.setdefault(key, [b.start, b.start + b.duration, 0.0])
         s[0], s[1], s[2] = min(s[0], b.start), max(s[1], b.start + b.duration), max(s[2], b.gpus)
-    return [Session(k, v[0], v[1], int(v[2])) for k, v in spans.items()]
+        users.setdefault(key, b.user)
+    return [Session(k, v[0], v[1], int(v[2]), user=users[k]) for k, v in spans.items()]
 
 
 def load_trace(bursts: str | Path, sessions: str | Path | None = None) -> Trace:
