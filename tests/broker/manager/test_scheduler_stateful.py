@@ -294,14 +294,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.steps = 0
 # 10,000 random steps at least (checked below): 120 runs of up to 150 steps; about a minute on a laptop.
-SETTINGS = settings(max_examples=120, stateful_step_count=150, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+def run_machine(machine: type[SchedulerMachine], examples: int, steps: int, at_least: int) -> None:
+    """Run ``machine`` for ``examples`` runs of up to ``steps`` steps; at least ``at_least`` steps must run."""
+    SchedulerMachine.steps = 0
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    assert SchedulerMachine.steps >= at_least, f"only {SchedulerMachine.steps} steps ran"
 
 
 def test_scheduler_machine() -> None:
-    SchedulerMachine.steps = 0
-    run_state_machine_as_test(SchedulerMachine, settings=SETTINGS)
-    assert SchedulerMachine.steps >= 10_000, f"only {SchedulerMachine.steps} steps ran"
+    run_machine(SchedulerMachine, examples=120, steps=150, at_least=10_000)
 
 
 DEEP = 2000  # requests queued before the machine starts: the event path must not depend on them
@@ -319,14 +322,8 @@ class DeepQueueMachine(SchedulerMachine):
         assert len(self.m.state.queue) >= DEEP - 2
 
 
-DEEP_SETTINGS = settings(max_examples=8, stateful_step_count=60, deadline=None,
-                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-
-
 def test_scheduler_machine_with_a_deep_queue() -> None:
-    SchedulerMachine.steps = 0
-    run_state_machine_as_test(DeepQueueMachine, settings=DEEP_SETTINGS)
-    assert SchedulerMachine.steps >= 200, f"only {SchedulerMachine.steps} steps ran"
+    run_machine(DeepQueueMachine, examples=8, steps=60, at_least=200)
 
 
 SMALL_FIRST_TIMEOUT = 1800.0
@@ -343,11 +340,5 @@ class SmallFirstMachine(SchedulerMachine):
         self.policy.small_first_timeout = SMALL_FIRST_TIMEOUT
 
 
-SMALL_SETTINGS = settings(max_examples=40, stateful_step_count=150, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-
-
 def test_scheduler_machine_with_small_requests_first() -> None:
-    SchedulerMachine.steps = 0
-    run_state_machine_as_test(SmallFirstMachine, settings=SMALL_SETTINGS)
-    assert SchedulerMachine.steps >= 3000, f"only {SchedulerMachine.steps} steps ran"
+    run_machine(SmallFirstMachine, examples=40, steps=150, at_least=3000)
