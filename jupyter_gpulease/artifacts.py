@@ -38,7 +38,12 @@ def local_root(root: str) -> str | None:
 
 
 class ArtifactDir:
-    """The artifact directory of one lease, written while the cell runs."""
+    """The artifact directory of one lease, written while the cell runs.
+
+    Nothing is created on the cell's way to its worker: the worker makes the directory before the cell's code runs
+    (``$GPULEASE_ARTIFACTS``), ``output.log`` is opened at the first output, and :meth:`finish` (after the cell
+    has answered) makes whatever is still missing.
+    """
 
     def __init__(self, root: str, lease_id: str) -> None:
         self.root, self.lease_id = root, lease_id
@@ -50,17 +55,23 @@ class ArtifactDir:
         else:
             self.local = tempfile.mkdtemp(prefix=f"gpulease-{lease_id}-")
             self._staged = True
-        os.makedirs(self.local, exist_ok=True)
-        self._log = open(os.path.join(self.local, "output.log"), "a", encoding="utf-8")
+        self._log: Any = None  # output.log, once there is output (or at finish)
+        self._closed = False
+
+    def _open_log(self) -> Any:
+        if self._log is None:
+            os.makedirs(self.local, exist_ok=True)
+            self._log = open(os.path.join(self.local, "output.log"), "a", encoding="utf-8")
+        return self._log
 
     def log(self, text: str) -> None:
-        try:
-            self._log.write(text)
-        except ValueError:  # closed
-            pass
+        if self._closed:
+            return
+        self._open_log().write(text)
 
     def finish(self, meta: dict[str, Any]) -> None:
-        self._log.close()
+        self._open_log().close()
+        self._closed = True
         with open(os.path.join(self.local, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, default=str)
         if self._staged:

@@ -1,7 +1,7 @@
 """BrokerClient: the only way the notebook side talks to the broker (its REST API).
 
-Synchronous and dependency-free (http.client), so it works in a kernel, a worker,
-a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
+Synchronous and dependency-free (a small HTTP/1.1 client of its own, ``http1``), so it works in a kernel, a
+worker, a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
 (``unix:///path/to.sock`` or ``http://host:port``), else the default socket, and
 presents ``GPULEASE_TOKEN`` or, under JupyterHub, ``JUPYTERHUB_API_TOKEN``
 (``gpulease_protocol.address``). A lease comes back as a ``LeaseView``.
@@ -9,10 +9,8 @@ presents ``GPULEASE_TOKEN`` or, under JupyterHub, ``JUPYTERHUB_API_TOKEN``
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
@@ -20,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpulease_protocol.address import auth_headers, broker_url, client_token
+
+from . import http1
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,22 +114,6 @@ class BrokerUnreachable(BrokerError):
         )
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.unix_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 class BrokerClient:
     """Thread-safe (one connection per thread) client of the broker's REST API."""
 
@@ -151,17 +135,11 @@ class BrokerClient:
         self._local = threading.local()
 
     # ---------------------------------------------------------------- transport
-    def _conn(self, timeout: float) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _conn(self, timeout: float) -> http1.Connection:
+        conn: http1.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            if self._unix is not None:
-                conn = _UnixConnection(self._unix, timeout)
-            else:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-            self._local.conn = conn
+            conn = self._local.conn = http1.Connection(self._unix, self._host, self._port, timeout)
         conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
         return conn
 
     def close(self) -> None:
@@ -178,29 +156,23 @@ class BrokerClient:
             headers["Content-Type"] = "application/json"
         to = timeout if timeout is not None else self.timeout
         for attempt in (0, 1):
-            conn = self._conn(to)
             try:
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                raw = resp.read()
+                answer = self._conn(to).request(method, path, headers, data)
                 break
-            except (ConnectionError, http.client.HTTPException, OSError) as e:
-                self.close()
-                # one retry on a kept-alive connection the server closed meanwhile
-                if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
+            except http1.Stale as e:  # a kept-alive connection the server closed meanwhile: once more on a new one
+                if attempt == 0:
                     continue
                 raise BrokerUnreachable(self.url, e) from None
-            except BaseException:
-                self.close()  # interrupted mid-request: never reuse a connection with a pending response
-                raise
+            except OSError as e:  # ConnectionError, socket.timeout, BadAnswer, ...
+                raise BrokerUnreachable(self.url, e) from None
         payload: dict[str, Any]
         try:
-            payload = json.loads(raw) if raw else {}
+            payload = json.loads(answer.body) if answer.body else {}
         except ValueError:
-            payload = {"message": raw.decode(errors="replace")[:500]}
-        if resp.status >= 400:
+            payload = {"message": answer.body.decode(errors="replace")[:500]}
+        if answer.status >= 400:
             raise BrokerError(
-                resp.status, payload.get("reason", "error"), payload.get("message", f"HTTP {resp.status}"), payload
+                answer.status, payload.get("reason", "error"), payload.get("message", f"HTTP {answer.status}"), payload
             )
         return payload
 

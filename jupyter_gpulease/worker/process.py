@@ -180,6 +180,11 @@ def _compile_cell(code: str, name: str, want_value: bool, header: str = "") -> t
 def _prepare(job: dict[str, Any]) -> None:
     os.environ.update(job.get("env") or {})
     _limit_frameworks(job.get("env") or {})
+    if os.environ.get("GPULEASE_ARTIFACTS"):  # the lease's artifact directory: made here, off the kernel's path
+        try:
+            os.makedirs(os.environ["GPULEASE_ARTIFACTS"], exist_ok=True)
+        except OSError:
+            pass  # the cell says so itself if it writes there; the kernel still writes output.log and meta.json
     if job.get("cwd"):
         try:
             os.chdir(job["cwd"])

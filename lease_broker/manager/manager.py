@@ -226,10 +226,9 @@ class LeaseManager:
         change.apply(lease, now)
         if writes:
             try:
-                with self.group.write(lambda: self._undo(lease, saved, new)) as db:
-                    self.store.write_lease(db, lease, now, new=new, attach=change.attach,
-                                           from_state=before if change.state is not None else None,
-                                           row=change.state is not None or change.stored)
+                self.group.lease_write(lease, lambda: self._undo(lease, saved, new), now, new=new,
+                                       attach=change.attach, from_state=before if change.state is not None else None,
+                                       row=change.state is not None or change.stored)
             except Exception:
                 lease.__dict__.update(saved.__dict__)
                 raise

@@ -128,7 +128,7 @@ class AdminStore:
     # --- history -------------------------------------------------------------------------------
     def held_intervals(self, ended_after: float) -> list[tuple[str, str, float, float, float | None, float | None]]:
         """(lease id, user, gpus, granted_at, ended_at, expires_at) of every lease granted and not ended before."""
-        rows = self.db.execute(
+        rows = self.store.reading().execute(
             "SELECT id, user, request, devices, granted_at, ended_at, expires_at FROM leases "
             "WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
             (ended_after,),
@@ -138,7 +138,7 @@ class AdminStore:
     def usage_rows(self, since: float) -> list[dict[str, Any]]:
         """Every lease that held GPUs after ``since``, with its transitions, labels and usage figures (for the usage
         report)."""
-        rows = self.db.execute(
+        rows = self.store.reading().execute(
             "SELECT id, user, request, devices, granted_at, ended_at, state, reason, usage FROM leases "
             "WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
             (since,),

@@ -2,17 +2,22 @@
 
 Under load many requests arrive in one iteration of the broker's event loop; one transaction each cost more than
 the rest of a grant (BEGIN, COMMIT and the WAL frames of the same pages, again and again). A ``GroupCommit``
-collects the writes of an iteration in one open transaction, each in a savepoint of its own, and commits at the
-end of the iteration (the owner calls :meth:`flush`). Durability is unchanged because nothing that depends on a
-write leaves the broker before its transaction commits:
+collects the lease changes of an iteration in memory and writes them at the end of the iteration (the owner calls
+:meth:`flush`) in one transaction, coalesced: each changed lease's row once, as it is then (a request granted in
+the iteration that made it is one row, not an insert and a replace), its history rows in order, with one
+statement per kind (``executemany``). A read of the store in the middle of an iteration first writes what is held
+into the open transaction (``Store.reading``), so it sees every change so far. Durability is unchanged because
+nothing that depends on a change leaves the broker before its transaction commits:
 
 - answers wait for :meth:`durable` (the API's ``reply``);
 - what a write causes outside the store (events, stopping processes, the inventory's hooks) is handed to
   :meth:`after` and runs once the write's transaction has committed.
 
 If the commit fails (the disk is full, another process holds the lock), nothing of the iteration was stored:
-every write's ``undo`` runs (newest first; the owner puts its memory back as it was), the ``after`` actions are
-dropped and every waiting answer gets the ``StoreError``, as a single transaction's failure did before.
+every change's ``undo`` runs (newest first; the owner puts its memory back as it was), the ``after`` actions are
+dropped and every waiting answer gets the ``StoreError``, as a single transaction's failure did before. Other
+writers that share the group (``Store.batched``: the notification outbox, learned groups) run their statements in
+the open transaction at once, each in a savepoint of its own.
 
 Without a running event loop (the replay, unit tests) there is no iteration to share: each write is its own
 transaction, committed at once, and ``after`` actions run at once.
@@ -26,6 +31,7 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ..core.lease import Lease, LeaseState
 from .lease_store import Store, StoreError
 
 log = logging.getLogger("lease_broker")
@@ -42,26 +48,57 @@ class GroupCommit:
         self._undo: list[Callable[[], None]] = []
         self._after: list[Callable[[], object]] = []
         self._waiting: list[asyncio.Future[None]] = []
+        # the lease changes held for the end of the iteration
+        self._new: dict[str, Lease] = {}
+        self._changed: dict[str, Lease] = {}
+        self._history: list[tuple[str, str | None, str, str, float]] = []
+        self._processes: list[tuple[str, int, int]] = []
         self.groups = 0  # committed groups, and the writes in them (GET /metrics)
         self.writes = 0
         store.before_transaction = self._before_transaction
+        store.before_read = self._before_read
         store.join_group = lambda: self.write(_nothing)
+
+    def lease_write(self, lease: Lease, undo: Callable[[], None], at: float, *, new: bool = False,
+                    from_state: LeaseState | None = None, row: bool = True,
+                    attach: tuple[int, int] | None = None) -> None:
+        """One change of a lease (``Store.write_lease``'s arguments): held for the end of the iteration when an event
+        loop runs (``undo`` puts the owner's memory back should the group fail), else written in a transaction of
+        its own at once (a failure raises ``StoreError`` and writes nothing)."""
+        if not _loop_running():
+            with self.store.transaction() as db:
+                self.store.write_lease(db, lease, at, new=new, from_state=from_state, row=row, attach=attach)
+            return
+        self._opened()
+        if new:
+            self._new[lease.id] = lease
+        elif row and lease.id not in self._new:
+            self._changed[lease.id] = lease
+        if new or (row and from_state is not None):
+            self._history.append((lease.id, None if new or from_state is None else from_state.value,
+                                  lease.state.value, lease.reason, at))
+        if attach is not None:
+            self._processes.append((lease.id, *attach))
+        self._undo.append(undo)
+        self.writes += 1
 
     @contextmanager
     def write(self, undo: Callable[[], None]) -> Iterator[sqlite3.Connection]:
-        """Statements of one lease write: in the open group when an event loop runs (``undo`` puts the owner's
-        memory back should the group fail later), else in a transaction of their own. A failed write changes
-        nothing and raises ``StoreError``."""
+        """Statements of another writer (``Store.batched``): in the open group when an event loop runs (``undo``
+        puts the owner's memory back should the group fail later), else in a transaction of their own. A failed
+        write changes nothing and raises ``StoreError``."""
         if not _loop_running():
             with self.store.transaction() as db:
                 yield db
             return
         db = self.store.db
-        if not self.open:
-            with self.store.unwritable_as_store_error():
-                db.execute("BEGIN IMMEDIATE")
-            self.open = True
-            self._on_open()
+        try:
+            self._write_held()
+        except StoreError as e:
+            if self.open:  # the changes held so far cannot be stored: the group fails
+                self._failed(e)
+            raise
+        self._opened()
         db.execute("SAVEPOINT w")
         try:
             yield db
@@ -99,6 +136,7 @@ class GroupCommit:
         if not self.open:
             return
         try:
+            self._write_held()
             with self.store.unwritable_as_store_error():
                 self.store.db.execute("COMMIT")
         except StoreError as e:
@@ -117,10 +155,40 @@ class GroupCommit:
             except Exception:
                 log.exception("An action after a store commit failed")
 
+    def _opened(self) -> None:
+        if not self.open:
+            self.open = True
+            self._on_open()
+
+    def _write_held(self) -> None:
+        """Write the held lease changes into the open transaction (begun here if need be); ``StoreError`` if that
+        fails (the caller fails the group: what was held cannot be stored)."""
+        db = self.store.db
+        with self.store.unwritable_as_store_error():
+            if not db.in_transaction:
+                db.execute("BEGIN IMMEDIATE")
+            if self._new or self._changed or self._history or self._processes:
+                self.store.write_leases(db, self._new.values(), self._changed.values(), self._history,
+                                        self._processes)
+                self._drop_held()
+
+    def _drop_held(self) -> None:
+        self._new, self._changed, self._history, self._processes = {}, {}, [], []
+
+    def _before_read(self) -> None:
+        """A read in the middle of an iteration sees the changes held so far (written, not committed)."""
+        if self.open and (self._new or self._changed or self._history or self._processes):
+            try:
+                self._write_held()
+            except StoreError as e:
+                self._failed(e)
+                raise
+
     def _failed(self, error: StoreError) -> None:
         log.error("%s", error.message)
         if self.store.db.in_transaction:
             self.store.db.execute("ROLLBACK")
+        self._drop_held()
         self.open = False
         undo, waiting = self._undo, self._waiting
         self._undo, self._after, self._waiting = [], [], []

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from operator import itemgetter
 from typing import Any
@@ -147,7 +147,10 @@ def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
 
 
 _MARKS = ",".join("?" * 20)
+_INSERT = f"INSERT INTO leases ({_COLUMNS}) VALUES ({_MARKS})"
+_REPLACE = f"REPLACE INTO leases ({_COLUMNS}) VALUES ({_MARKS})"
 _HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"
+_PROCESS = "REPLACE INTO processes VALUES (?,?,?)"
 
 _LIVE_STATES = "(" + ",".join(f"'{s.value}'" for s in LeaseState if s not in TERMINAL) + ")"
 # Literal states, the same as the partial index's: with bound parameters SQLite cannot tell that the index
@@ -213,6 +216,8 @@ class Store:
         #: called before a transaction of its own starts (the group commit commits what it holds first)
         self.before_transaction: Callable[[], None] | None = None
         self.join_group: Callable[[], AbstractContextManager[sqlite3.Connection]] | None = None
+        #: called before lease rows are read (the group commit writes what it holds into its open transaction)
+        self.before_read: Callable[[], None] | None = None
         self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
 
     def transaction(self) -> "_Tx":
@@ -222,6 +227,12 @@ class Store:
         """Statements that may share the open group commit (nothing to undo in memory if it fails): in it when
         there is one (``GroupCommit`` sets ``join_group``), else in a transaction of their own."""
         return self.join_group() if self.join_group is not None else self.transaction()
+
+    def reading(self) -> sqlite3.Connection:
+        """The connection, for a read of leases, transitions or processes that must see every change so far."""
+        if self.before_read is not None:
+            self.before_read()
+        return self.db
 
     def unwritable(self, e: BaseException) -> StoreError:
         return StoreError(f"The lease store {self.path!r} cannot be written ({e}); nothing was changed. "
@@ -235,7 +246,7 @@ class Store:
             raise self.unwritable(e) from e
 
     def next_seq(self) -> int:
-        row = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM leases").fetchone()
+        row = self.reading().execute("SELECT COALESCE(MAX(seq), 0) FROM leases").fetchone()
         return int(row[0]) + 1
 
     # --- leases ------------------------------------------------------------------------------
@@ -260,18 +271,30 @@ class Store:
         group commit's): the lease's row (``row``), a history row when it is ``new`` or leaves ``from_state``, a
         process attached to it."""
         if new:
-            db.execute(f"INSERT INTO leases ({_COLUMNS}) VALUES ({_MARKS})", _row(lease))
+            db.execute(_INSERT, _row(lease))
             db.execute(_HISTORY, (lease.id, None, lease.state.value, lease.reason, at))
         elif row:
-            db.execute(f"REPLACE INTO leases ({_COLUMNS}) VALUES ({_MARKS})", _row(lease))
+            db.execute(_REPLACE, _row(lease))
             if from_state is not None:
                 db.execute(_HISTORY, (lease.id, from_state.value, lease.state.value, lease.reason, at))
         if attach is not None:
-            db.execute("REPLACE INTO processes VALUES (?,?,?)", (lease.id, *attach))
+            db.execute(_PROCESS, (lease.id, *attach))
+
+    @staticmethod
+    def write_leases(db: sqlite3.Connection, new: Iterable[Lease], changed: Iterable[Lease],
+                     history: list[tuple[str, str | None, str, str, float]],
+                     processes: list[tuple[str, int, int]]) -> None:
+        """Many lease changes at once (the group commit's), inside the caller's transaction: the rows of ``new``
+        leases (an id already stored fails the statement: never an overwrite) and of ``changed`` ones, as they
+        are now; the history rows in order; the processes attached."""
+        for sql, rows in ((_INSERT, [_row(lease) for lease in new]), (_REPLACE, [_row(lease) for lease in changed]),
+                          (_HISTORY, history), (_PROCESS, processes)):
+            if rows:
+                db.executemany(sql, rows)
 
     def live(self) -> list[Lease]:
         """Every lease that is not terminal, in arrival order."""
-        rows = self.db.execute(_LIVE).fetchall()
+        rows = self.reading().execute(_LIVE).fetchall()
         rows.sort(key=itemgetter(1))  # by seq, here: ORDER BY would copy every row into a temporary B-tree first
         try:  # one JSON document for every row: a restart with 10,000 leases parses it in one call
             decoded = json.loads("[" + ",".join(f"[{r[7]},{r[17]}]" for r in rows) + "]")
@@ -283,26 +306,27 @@ class Store:
         return [_lease(r, d, requests) for r, d in zip(rows, decoded, strict=True)]
 
     def get(self, lease_id: str) -> Lease | None:
-        r = self.db.execute(f"SELECT {_COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()
+        r = self.reading().execute(f"SELECT {_COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()
         return _lease(r) if r else None
 
     def recent(self, user: str | None, limit: int = 50) -> list[Lease]:
+        db = self.reading()
         if user is None:
-            rows = self.db.execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq DESC LIMIT ?", (limit,))
+            rows = db.execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq DESC LIMIT ?", (limit,))
         else:
-            rows = self.db.execute(
+            rows = db.execute(
                 f"SELECT {_COLUMNS} FROM leases WHERE user=? ORDER BY seq DESC LIMIT ?", (user, limit)
             )
         return [_lease(r) for r in rows]
 
     def history(self, lease_id: str) -> list[dict[str, Any]]:
-        rows = self.db.execute(
+        rows = self.reading().execute(
             "SELECT from_state, to_state, reason, at FROM transitions WHERE lease_id=? ORDER BY id", (lease_id,)
         )
         return [{"from": r[0], "to": r[1], "reason": r[2], "at": r[3]} for r in rows]
 
     def count(self) -> int:
-        return int(self.db.execute("SELECT COUNT(*) FROM leases").fetchone()[0])
+        return int(self.reading().execute("SELECT COUNT(*) FROM leases").fetchone()[0])
 
     # --- processes ---------------------------------------------------------------------------
     def attach(self, lease_id: str, pid: int, start_ticks: int) -> None:
@@ -311,7 +335,7 @@ class Store:
 
     def processes(self) -> dict[str, dict[int, int]]:
         out: dict[str, dict[int, int]] = {}
-        for lease_id, pid, ticks in self.db.execute("SELECT lease_id, pid, start_ticks FROM processes"):
+        for lease_id, pid, ticks in self.reading().execute("SELECT lease_id, pid, start_ticks FROM processes"):
             out.setdefault(lease_id, {})[pid] = ticks
         return out
 
@@ -385,5 +409,5 @@ class _Tx:
 
 
 def iter_rows(store: Store) -> Iterator[Lease]:
-    for r in store.db.execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq"):
+    for r in store.reading().execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq"):
         yield _lease(r)
