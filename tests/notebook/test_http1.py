@@ -154,7 +154,7 @@ def test_a_timeout_closes_the_connection_and_says_the_broker_did_not_answer(serv
     with pytest.raises(BrokerUnreachable, match="timed out"):
         client.request("GET", "/api/v1/info")
     gate.set()
-    assert getattr(client._local, "conn").sock is None  # never reused with an answer pending
+    assert client._local.conn.sock is None  # never reused with an answer pending
 
 
 def test_http1_connection_alone(tmp_path: Path) -> None:
