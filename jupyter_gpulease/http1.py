@@ -146,7 +146,7 @@ class Connection:
         return line
 
     def _chunked(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             size = int(self._line().split(b";", 1)[0].strip() or b"0", 16)
             if size == 0:
