@@ -149,46 +149,22 @@ class BrokerClient:
             self._local.conn = None
 
     def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
-        return self.send(method, path, body, timeout).result()
-
-    def send(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Pending:
-        """Send a request and return at once; :meth:`Pending.result` reads the answer. Meanwhile this thread's
-        other requests go over another connection."""
         headers = {"Accept": "application/json", **auth_headers(self.token)}
         data = None
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         to = timeout if timeout is not None else self.timeout
-        conn = self._conn(to)
-        self._local.conn = None  # the connection belongs to this request until its answer is read
-        try:
-            reused = conn.send(method, path, headers, data)
-        except http1.Stale:  # a kept-alive connection the server closed meanwhile: once more on a new one
-            reused = False
+        for attempt in (0, 1):
             try:
-                conn.send(method, path, headers, data)
-            except OSError as e:
+                answer = self._conn(to).request(method, path, headers, data)
+                break
+            except http1.Stale as e:  # a kept-alive connection the server closed meanwhile: once more on a new one
+                if attempt == 0:
+                    continue
                 raise BrokerUnreachable(self.url, e) from None
-        except OSError as e:  # ConnectionError, socket.timeout, ...
-            raise BrokerUnreachable(self.url, e) from None
-        return Pending(self, conn, (method, path, headers, data), reused)
-
-    def _answer(self, pending: Pending) -> dict[str, Any]:
-        method, path, headers, data = pending.sent
-        conn = pending.conn
-        try:
-            try:
-                answer = conn.receive(method, pending.reused)
-            except http1.Stale:  # closed by the server before it read the request: send it again, once
-                answer = conn.request(method, path, headers, data)
-        except OSError as e:  # ConnectionError, socket.timeout, BadAnswer, ...
-            raise BrokerUnreachable(self.url, e) from None
-        finally:
-            if getattr(self._local, "conn", None) is None:
-                self._local.conn = conn  # kept alive for this thread's next request
-            else:
-                conn.close()
+            except OSError as e:  # ConnectionError, socket.timeout, BadAnswer, ...
+                raise BrokerUnreachable(self.url, e) from None
         payload: dict[str, Any]
         try:
             payload = json.loads(answer.body) if answer.body else {}
@@ -221,14 +197,10 @@ class BrokerClient:
 
     def request_lease(self, gpus: Any = 1, wait: float = 0.0, **fields: Any) -> LeaseView:
         """Ask for a lease. ``wait`` > 0 long-polls for the grant up to that many seconds."""
-        return LeaseView.from_json(self.send_lease_request(gpus, wait, **fields).result())
-
-    def send_lease_request(self, gpus: Any = 1, wait: float = 0.0, **fields: Any) -> Pending:
-        """``request_lease``, sent: the lease is ``LeaseView.from_json(pending.result())``."""
         body = {"gpus": gpus, **{k: v for k, v in fields.items() if v is not None}}
         if wait:
             body["wait_seconds"] = wait
-        return self.send("POST", "/api/v1/leases", body, timeout=self.timeout + wait)
+        return LeaseView.from_json(self.request("POST", "/api/v1/leases", body, timeout=self.timeout + wait))
 
     def lease(self, lease_id: str, wait: float = 0.0) -> LeaseView:
         q = f"?wait={wait:g}" if wait else ""
@@ -264,18 +236,3 @@ class BrokerClient:
 
     def history(self, lease_id: str) -> list[dict[str, Any]]:
         return list(self.request("GET", f"/api/v1/leases/{lease_id}/history")["transitions"])
-
-
-class Pending:
-    """A request sent to the broker whose answer is not read yet (``BrokerClient.send``)."""
-
-    def __init__(self, client: BrokerClient, conn: http1.Connection, sent: tuple[str, str, dict[str, str], bytes | None],
-                 reused: bool) -> None:
-        self.client, self.conn, self.sent, self.reused = client, conn, sent, reused
-        self._result: dict[str, Any] | None = None
-
-    def result(self) -> dict[str, Any]:
-        """The answer (read once; ``BrokerError`` for an error answer, ``BrokerUnreachable`` when none came)."""
-        if self._result is None:
-            self._result = self.client._answer(self)
-        return self._result

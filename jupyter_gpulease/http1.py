@@ -15,8 +15,6 @@ closed it while it was idle (:class:`Stale`, so the caller may send again on a n
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
@@ -53,11 +51,6 @@ class Connection:
     def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None) -> Answer:
         """Send one request and read its answer. A connection used before that the server closed meanwhile raises
         :class:`Stale`; any other failure closes this connection and raises ``OSError``."""
-        reused = self.send(method, path, headers, body)
-        return self.receive(method, reused)
-
-    def send(self, method: str, path: str, headers: dict[str, str], body: bytes | None) -> bool:
-        """Send a request (its answer is read by :meth:`receive`); returns whether the connection was used before."""
         reused = self.sock is not None
         if self.sock is None:
             self.sock = self._connect()
@@ -67,25 +60,9 @@ class Connection:
         if body is not None or method in ("POST", "PUT", "PATCH"):
             head.append(f"Content-Length: {len(body or b'')}")
         data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
-        with self._closing_on_error(reused):
-            self.sock.sendall(data)
-        return reused
-
-    def receive(self, method: str, reused: bool) -> Answer:
-        """The answer to the request :meth:`send` sent (``reused``: what it returned)."""
-        with self._closing_on_error(reused):
-            if self.sock is None:
-                raise ConnectionError("the connection was closed before its answer was read")
-            self.sock.settimeout(self.timeout)
-            answer = self._read(method)
-        if answer.headers.get("connection", "").lower() == "close":
-            self.close()
-        return answer
-
-    @contextmanager
-    def _closing_on_error(self, reused: bool) -> Iterator[None]:
         try:
-            yield
+            self.sock.sendall(data)
+            answer = self._read(method)
         except (Stale, BrokenPipeError, ConnectionResetError) as e:
             self.close()
             if reused:
@@ -94,6 +71,9 @@ class Connection:
         except BaseException:
             self.close()  # interrupted or failed mid-request: never reuse a connection with a pending answer
             raise
+        if answer.headers.get("connection", "").lower() == "close":
+            self.close()
+        return answer
 
     def _connect(self) -> socket.socket:
         if self.unix_path is not None:

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from ..client import BrokerClient, BrokerError, LeaseView, Pending
+from ..client import BrokerClient, BrokerError, LeaseView
 from ..tables import fmt_duration, fmt_eta
 
 
@@ -82,15 +82,13 @@ class WaitDisplay:
             sys.stderr.flush()
 
 
-def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str,
-            sent: Pending | None = None) -> LeaseView:
-    """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout. ``sent``: the request,
-    already sent (``BrokerClient.send_lease_request``).
+def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> LeaseView:
+    """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout.
 
     An interrupt while queued raises ``QueueCancelled`` (a ``KeyboardInterrupt``) with one line saying so.
     """
     try:
-        lease = LeaseView.from_json(sent.result()) if sent is not None else client.request_lease(**request)
+        lease = client.request_lease(**request)
     except KeyboardInterrupt:
         raise _interrupted()(f"{label.split()[0]}: interrupted before the broker answered the request (`%gpu leases` "
                              "shows whether it was queued)") from None

@@ -8,6 +8,7 @@ Options are traitlets: ``c.GpuMagics.preload = ["numpy", "torch"]`` and so on.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -19,21 +20,19 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Int, List, TraitError, Unicode, observe, validate
 
-from gpulease_protocol.requests import parse_size
+from gpulease_protocol.requests import parse_duration, parse_size, request_fields
 
 from .. import artifacts as _artifacts
-from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView, Pending
+from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
 from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
 from ..worker import reserve
 from .acquire import Heartbeater, LeaseUnavailable, acquire
-from .cellcode import Selection, check_plain_python, select_inputs
+from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
 from .drive import default_sinks
-from .early import EarlyRequests
 from .linecmd import LINE_COMMANDS, line_command
-from .options import cell_options, names, negative_values
 from .sessions import Session, Sessions
 
 
@@ -105,7 +104,6 @@ class GpuMagics(Magics):
         self.executors: dict[str, Executor] = {"local": LocalExecutor(self.pool, parent=self)}
         self.sessions = Sessions()
         self.jobs: dict[str, SimpleNamespace] = {}
-        self.early = EarlyRequests(self)
         self._memory_changed()
 
     @validate("warm_memory")
@@ -182,17 +180,31 @@ class GpuMagics(Magics):
         """Run this cell on leased GPUs, in a worker that sees only them; release them when it ends."""
         if cell is None:
             return line_command(self, line)
-        args, opts, sel, job = self.prepare(line, cell)
-        sent = self.early.take(opts["request"])  # the lease request sent as the cell started, if any
+        args = parse_argstring(self.gpu, negative_values(line))
+        opts = self._options(args)
+        if not cell.strip():
+            raise UsageError("%%gpu: the cell is empty")
+        try:
+            check_plain_python(self._sh, cell)
+        except SyntaxError as e:
+            raise UsageError(str(e)) from None
+        explicit = None if args.inputs.strip() == "auto" else _names(args.inputs)
+        try:
+            sel = select_inputs(cell, self._sh.user_ns, explicit, self.auto_max_bytes)
+        except NameError as e:
+            raise UsageError(str(e)) from None
+        if args.session:
+            sel.unknown = []  # names the cell uses may live in the session's worker
         if sel.note():
             print(sel.note(), file=sys.stderr)
+        job = Job("cell", cell, self._cell_name(), sel.send, _names(args.out), header=f"%%gpu {line}".rstrip())
         if args.bg:
             return self._background(args.bg, opts, job)
         try:
             if args.session:
                 outcome = self._in_session(args.session, opts, job)
             else:
-                outcome = self._once(opts, job, sent=sent)
+                outcome = self._once(opts, job)
         except CellError as e:  # a failed cell also says where it ran and where its log is
             if self.show_summary and e.outcome is not None:
                 print(summary_line(e.outcome, failed=e.ename))
@@ -202,36 +214,46 @@ class GpuMagics(Magics):
             print(summary_line(outcome))
         return outcome.value
 
-    def prepare(self, line: str, cell: str) -> tuple[Any, dict[str, Any], Selection, Job]:
-        """What a ``%%gpu`` cell asks for and sends, checked (``UsageError`` if it cannot run); prints nothing."""
-        args = parse_argstring(self.gpu, negative_values(line))
-        opts = cell_options(args, self._cell_name(), self.grace)
-        if not cell.strip():
-            raise UsageError("%%gpu: the cell is empty")
+    def _options(self, args: Any) -> dict[str, Any]:
         try:
-            check_plain_python(self._sh, cell)
-        except SyntaxError as e:
-            raise UsageError(str(e)) from None
-        explicit = None if args.inputs.strip() == "auto" else names(args.inputs)
-        try:
-            sel = select_inputs(cell, self._sh.user_ns, explicit, self.auto_max_bytes)
-        except NameError as e:
-            raise UsageError(str(e)) from None
+            request = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, gpu_type=args.gpu_type,
+                                     gpu_mem=args.gpu_mem, flag="--")
+            request["heartbeat"] = True
+            if args.priority:
+                request["priority"] = args.priority
+            wait = parse_duration(args.wait, "--wait") if args.wait else None
+            grace = parse_duration(args.grace, "--grace") if args.grace else self.grace
+            for flag in ("session", "bg"):
+                name = getattr(args, flag)
+                if name is not None and not name.replace("-", "_").isidentifier():
+                    raise ValueError(f"invalid --{flag} name {name!r}: use letters, digits, - and _")
+            _names(args.out)
+            if args.inputs.strip() != "auto":
+                _names(args.inputs)
+        except ValueError as e:
+            raise UsageError(f"%%gpu: {e}") from None
+        if args.session and args.bg:
+            raise UsageError("%%gpu: --session and --bg cannot be combined")
+        labels = {"source": "%%gpu", "cell": self._cell_name().strip("<>")}
+        if args.bg:
+            labels["bg"] = args.bg  # the broker tells its owner when it ends (gpulease notify: bg)
+        if os.environ.get("JPY_SESSION_NAME"):
+            labels["notebook"] = os.environ["JPY_SESSION_NAME"][-200:]
         if args.session:
-            sel.unknown = []  # names the cell uses may live in the session's worker
-        job = Job("cell", cell, self._cell_name(), sel.send, names(args.out), header=f"%%gpu {line}".rstrip())
-        return args, opts, sel, job
+            labels["session"] = args.session  # the sidebar says what releasing would stop
+        request["labels"] = labels
+        return {"request": request, "wait": wait, "grace": grace, "gpus": args.gpus}
 
-    def _acquire(self, opts: dict[str, Any], sent: Pending | None = None) -> tuple[LeaseView, float]:
+    def _acquire(self, opts: dict[str, Any]) -> tuple[LeaseView, float]:
         t0 = time.monotonic()
         try:
-            lease = acquire(self.client, opts["request"], opts["wait"], f"%%gpu {opts['gpus']}", sent)
+            lease = acquire(self.client, opts["request"], opts["wait"], f"%%gpu {opts['gpus']}")
         except (BrokerError, BrokerUnreachable, LeaseUnavailable, ValueError) as e:  # ValueError: the broker URL
             raise UsageError(f"%%gpu: {e}") from None
         return lease, time.monotonic() - t0
 
-    def _once(self, opts: dict[str, Any], job: Job, sinks: Any = None, sent: Pending | None = None) -> Any:
-        lease, queued = self._acquire(opts, sent)
+    def _once(self, opts: dict[str, Any], job: Job, sinks: Any = None) -> Any:
+        lease, queued = self._acquire(opts)
         run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
         try:
             worker = self._start_worker(lease)
@@ -324,6 +346,24 @@ class GpuMagics(Magics):
             executor.shutdown()
 
 
+#: options whose value may look like a negative number (``--time -5m``): argparse would take it for an option
+VALUE_OPTIONS = ("--time", "--idle", "--mem", "--gpu-mem", "--wait", "--grace")
+_NEGATIVE = re.compile(r"(?<!\S)(" + "|".join(VALUE_OPTIONS) + r")\s+(-[\d.]\S*)")
+
+
+def negative_values(line: str) -> str:
+    """``--time -5m`` as ``--time=-5m``, so a negative value gets the option's own clear error."""
+    return _NEGATIVE.sub(r"\1=\2", line)
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    for n in names:
+        if not n.isidentifier():
+            raise ValueError(f"invalid variable name {n!r}")
+    return names
+
+
 GpuMagics.gpu.__doc__ = (GpuMagics.gpu.__doc__ or "") + LINE_COMMANDS
 
 #: seconds after a cell before its warm worker is replaced (the kernel answers the cell meanwhile)
@@ -337,7 +377,6 @@ def load_ipython_extension(ipython: Any) -> None:
     if magics.hide_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     ipython.register_magics(magics)
-    magics.early.register(ipython.events)
     _loaded[id(ipython)] = magics
     magics.pool.fill()
     import atexit
@@ -348,7 +387,6 @@ def load_ipython_extension(ipython: Any) -> None:
 def unload_ipython_extension(ipython: Any) -> None:
     magics = _loaded.pop(id(ipython), None)
     if magics is not None:
-        magics.early.unregister(ipython.events)
         magics.shutdown()
 
 
