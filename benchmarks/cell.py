@@ -240,7 +240,7 @@ def run(opts: Any) -> list[Figure]:
         started = [p for p in peers.values() if p.name not in missing]
         for name, why in missing.items():
             print(f"   {name}: {why}", flush=True)
-        figures += _trivial(k, peers, missing, n)
+        figures += _trivial(k, peers, missing, 3 if quick else 30)  # ms-scale figures: more rounds, a steadier median
         k.run("%config GpuMagics.warm_workers = 0")
         inline, cold = (list(v) for v in _rounds(k, {"inline": "pass", "cold": "%%gpu\npass"}, n, 0.2).values())
         figures.append(figure(
