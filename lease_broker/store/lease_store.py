@@ -17,8 +17,8 @@ from typing import Any
 
 from ..core.errors import Unavailable
 from ..core.lease import TERMINAL, Lease, LeaseRequest, LeaseState
-from ..core.lease_use import LeaseUse
 from .checkpoint import Checkpointer
+from .lease_rows import COLUMNS, HISTORY, INSERT, PROCESS, REPLACE, from_row, to_row
 from .upgrade import upgrade
 
 log = logging.getLogger("lease_broker")
@@ -81,81 +81,10 @@ CREATE TABLE IF NOT EXISTS tokens (
 );
 """
 
-_COLUMNS = (
-    "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
-    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage"
-)
-
-
-def _row(lease: Lease) -> tuple[Any, ...]:
-    return (
-        lease.id,
-        lease.seq,
-        lease.user,
-        lease.uid,
-        lease.state.value,
-        lease.reason,
-        lease.request.json_text(),
-        json.dumps(lease.devices),
-        lease.node,
-        lease.created_at,
-        lease.granted_at,
-        lease.expires_at,
-        lease.ended_at,
-        lease.duration_seconds,
-        lease.idle_timeout_seconds,
-        lease.last_heartbeat,
-        lease.last_activity,
-        json.dumps(lease.pids),
-        lease.secret_hash,
-        lease.use.text(),
-    )
-
-
-def _lease(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
-           requests: dict[str, LeaseRequest] | None = None) -> Lease:
-    """A lease from its row; ``decoded``: its JSON columns devices and pids, already parsed; ``requests``: the
-    requests made so far from the same JSON text (one frozen LeaseRequest serves every lease that asked alike)."""
-    devices, pids = decoded if decoded is not None else (json.loads(r[7]), json.loads(r[17]))
-    request = requests.get(r[6]) if requests is not None else None
-    if request is None:
-        request = LeaseRequest(**json.loads(r[6]))
-        if requests is not None:
-            requests[r[6]] = request
-    return Lease(
-        id=r[0],
-        seq=r[1],
-        user=r[2],
-        uid=r[3],
-        state=LeaseState(r[4]),
-        reason=r[5],
-        request=request,
-        devices=devices,
-        node=r[8],
-        created_at=r[9],
-        granted_at=r[10],
-        expires_at=r[11],
-        ended_at=r[12],
-        duration_seconds=r[13],
-        idle_timeout_seconds=r[14],
-        last_heartbeat=r[15],
-        last_activity=r[16],
-        pids=pids,
-        secret_hash=r[18],
-        use=LeaseUse.parse(r[19]),
-    )
-
-
-_MARKS = ",".join("?" * 20)
-_INSERT = f"INSERT INTO leases ({_COLUMNS}) VALUES ({_MARKS})"
-_REPLACE = f"REPLACE INTO leases ({_COLUMNS}) VALUES ({_MARKS})"
-_HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"
-_PROCESS = "REPLACE INTO processes VALUES (?,?,?)"
-
 _LIVE_STATES = "(" + ",".join(f"'{s.value}'" for s in LeaseState if s not in TERMINAL) + ")"
 # Literal states, the same as the partial index's: with bound parameters SQLite cannot tell that the index
 # covers the query and scans every lease ever stored.
-_LIVE = f"SELECT {_COLUMNS} FROM leases WHERE state IN {_LIVE_STATES}"
+_LIVE = f"SELECT {COLUMNS} FROM leases WHERE state IN {_LIVE_STATES}"
 assert f"WHERE state IN {_LIVE_STATES}" in _SCHEMA, "the live states and the partial index leases_state differ"
 
 
@@ -271,14 +200,14 @@ class Store:
         group commit's): the lease's row (``row``), a history row when it is ``new`` or leaves ``from_state``, a
         process attached to it."""
         if new:
-            db.execute(_INSERT, _row(lease))
-            db.execute(_HISTORY, (lease.id, None, lease.state.value, lease.reason, at))
+            db.execute(INSERT, to_row(lease))
+            db.execute(HISTORY, (lease.id, None, lease.state.value, lease.reason, at))
         elif row:
-            db.execute(_REPLACE, _row(lease))
+            db.execute(REPLACE, to_row(lease))
             if from_state is not None:
-                db.execute(_HISTORY, (lease.id, from_state.value, lease.state.value, lease.reason, at))
+                db.execute(HISTORY, (lease.id, from_state.value, lease.state.value, lease.reason, at))
         if attach is not None:
-            db.execute(_PROCESS, (lease.id, *attach))
+            db.execute(PROCESS, (lease.id, *attach))
 
     @staticmethod
     def write_leases(db: sqlite3.Connection, new: Iterable[Lease], changed: Iterable[Lease],
@@ -287,8 +216,8 @@ class Store:
         """Many lease changes at once (the group commit's), inside the caller's transaction: the rows of ``new``
         leases (an id already stored fails the statement: never an overwrite) and of ``changed`` ones, as they
         are now; the history rows in order; the processes attached."""
-        for sql, rows in ((_INSERT, [_row(lease) for lease in new]), (_REPLACE, [_row(lease) for lease in changed]),
-                          (_HISTORY, history), (_PROCESS, processes)):
+        for sql, rows in ((INSERT, [to_row(lease) for lease in new]), (REPLACE, [to_row(lease) for lease in changed]),
+                          (HISTORY, history), (PROCESS, processes)):
             if rows:
                 db.executemany(sql, rows)
 
@@ -303,21 +232,21 @@ class Store:
         except (ValueError, TypeError):  # a damaged row: parse row by row, so the error is about that row
             decoded = [None] * len(rows)
         requests: dict[str, LeaseRequest] = {}
-        return [_lease(r, d, requests) for r, d in zip(rows, decoded, strict=True)]
+        return [from_row(r, d, requests) for r, d in zip(rows, decoded, strict=True)]
 
     def get(self, lease_id: str) -> Lease | None:
-        r = self.reading().execute(f"SELECT {_COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()
-        return _lease(r) if r else None
+        r = self.reading().execute(f"SELECT {COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()
+        return from_row(r) if r else None
 
     def recent(self, user: str | None, limit: int = 50) -> list[Lease]:
         db = self.reading()
         if user is None:
-            rows = db.execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq DESC LIMIT ?", (limit,))
+            rows = db.execute(f"SELECT {COLUMNS} FROM leases ORDER BY seq DESC LIMIT ?", (limit,))
         else:
             rows = db.execute(
-                f"SELECT {_COLUMNS} FROM leases WHERE user=? ORDER BY seq DESC LIMIT ?", (user, limit)
+                f"SELECT {COLUMNS} FROM leases WHERE user=? ORDER BY seq DESC LIMIT ?", (user, limit)
             )
-        return [_lease(r) for r in rows]
+        return [from_row(r) for r in rows]
 
     def history(self, lease_id: str) -> list[dict[str, Any]]:
         rows = self.reading().execute(
@@ -409,5 +338,5 @@ class _Tx:
 
 
 def iter_rows(store: Store) -> Iterator[Lease]:
-    for r in store.reading().execute(f"SELECT {_COLUMNS} FROM leases ORDER BY seq"):
-        yield _lease(r)
+    for r in store.reading().execute(f"SELECT {COLUMNS} FROM leases ORDER BY seq"):
+        yield from_row(r)
