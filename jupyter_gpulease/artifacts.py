@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import sys
 import tempfile
 import urllib.parse
 from dataclasses import dataclass, field
@@ -67,7 +68,12 @@ class ArtifactDir:
     def log(self, text: str) -> None:
         if self._closed:
             return
-        self._open_log().write(text)
+        try:
+            self._open_log().write(text)
+        except OSError as e:  # the storage failed: the cell goes on (its output still shows); finish says it again
+            self._closed = True
+            print(f"gpulease: cannot write {self.local}/output.log ({e}); the cell's output is not saved there",
+                  file=sys.stderr)
 
     def finish(self, meta: dict[str, Any]) -> None:
         self._open_log().close()

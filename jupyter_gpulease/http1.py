@@ -55,7 +55,8 @@ class Connection:
         if self.sock is None:
             self.sock = self._connect()
         self.sock.settimeout(self.timeout)
-        head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}"]
+        host = self.host if self.unix_path is not None or self.port == 80 else f"{self.host}:{self.port}"
+        head = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
         head += [f"{k}: {v}" for k, v in headers.items()]
         if body is not None or method in ("POST", "PUT", "PATCH"):
             head.append(f"Content-Length: {len(body or b'')}")

@@ -115,3 +115,28 @@ def test_a_bad_broker_address_is_one_line_naming_the_variable(broker, tmp_path: 
                                      "unix:///path/to.sock or http://host:port")
     finally:
         k.stop()
+
+
+def test_artifact_storage_that_cannot_be_written_does_not_lose_the_cells_result(broker_factory, tmp_path: Path) -> None:
+    """The artifact root lies under a regular file (no directory can be made there, even as root): the cell still
+    runs, prints and returns its value, and the cell says its log and meta.json could not be saved."""
+    b = broker_factory(gpus=1, args=["--tick=0.1"], name="art")
+    (tmp_path / "a-file").write_text("not a directory\n")
+    k = Kernel(b.url, str(tmp_path / "a-file" / "artifacts"))
+    try:
+        r = k.run("%%gpu\nprint('hello')\n6 * 7")
+        assert r.status == "ok", r.outputs
+        assert "hello" in r.stdout and r.result == "42"
+        assert "cannot write" in r.stderr and "output.log" in r.stderr
+        c = b.client()
+        wait_for(lambda: not c.leases(), 10, "the cell's lease to be released")
+        seen: list[dict] = []  # type: ignore[type-arg]
+
+        def noted() -> bool:  # printed by the thread that releases the lease, after the cell answered
+            seen.extend(k.run("pass").outputs)
+            return any("could not write artifacts" in m["content"].get("text", "")
+                       for m in [*k.stray, *seen] if m["msg_type"] == "stream")
+
+        wait_for(noted, 10, "the note that meta.json was not saved")
+    finally:
+        k.stop()
