@@ -7,6 +7,7 @@ the 790-burst trace and on a 30,020-burst synthetic month (the trace tiled 38 ti
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from lease_broker.replay import Cluster, compare, load_trace, replay, summarize,
 from lease_broker.replay.report import plot
 from lease_broker.replay.trace import Trace
 
+from .overload_trace import generate
 from .report import Figure, figure
 
 TITLE = "Replay: the notebook trace through the real scheduler"
@@ -74,6 +76,40 @@ def small_first_sweep(trace: Trace, settings: list[tuple[float, float]]) -> list
                  f"{_pct(off['reserved_idle_fraction']):.2f} %); 8-GPU p95 {t['8']['p95']:.0f} s (default: "
                  f"{o['8']['p95']:.0f} s); 4-GPU p95 {t['4']['p95']:.0f} s (default: {o['4']['p95']:.0f} s); cold "
                  f"re-grants {s['cold_regrants']} (default: {off['cold_regrants']}).",
+        ))
+    return figures
+
+
+def contended_month(quick: bool) -> list[Figure]:
+    """Issue 22's policies on a synthetic month at offered load 0.9 of 2x8 (``overload_trace``: Poisson arrivals
+    with a daily cycle, heavy-tailed durations, 1/4/8-GPU jobs, 60 Zipf users; each job one burst, so a lease's
+    idle linger is all its held-but-idle time): today's default policy against pressure and small-first, same run."""
+    cluster = Cluster(2, 8)
+    jobs, days = (300, 3.0) if quick else (3000, 30.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = load_trace(generate(Path(tmp) / "month.csv", jobs=jobs, days=days, gpus_total=cluster.total,
+                                    load=0.9))
+    off = summarize(replay(trace, cluster, mode="lease", idle=600))
+    o = off["time_to_gpu_s"]
+    cmd = (f"python -m benchmarks.overload_trace month.csv --jobs {jobs} --days {days:g} --gpus {cluster.total} "
+           f"--load 0.9 && gpulease replay month.csv --cluster {cluster} --idle 10m")
+    settings = [{"pressure_idle_timeout_seconds": 120.0},
+                {"small_first_gpus": 1, "small_first_timeout": 3600.0, "pressure_idle_timeout_seconds": 120.0}]
+    figures = []
+    for conf in settings:
+        s = summarize(replay(trace, cluster, LeasePolicy(config=Config(LeasePolicy=Config(**conf))), mode="lease",
+                             idle=600))
+        t = s["time_to_gpu_s"]
+        what = ", ".join(f"{k} {v:g}" for k, v in conf.items())
+        figures.append(figure(
+            f"contended month (load 0.9, {cluster}): held-but-idle GPU-time, {what}", "%",
+            [_pct(s["reserved_idle_fraction"])], "today's default policy, same run", [_pct(off["reserved_idle_fraction"])],
+            note=f"`{cmd} --config C` with " + ", ".join(f"c.LeasePolicy.{k} = {v:g}" for k, v in conf.items())
+                 + f". {s['gpu_bursts']} jobs. Time to GPU p95: 1-GPU {t['1']['p95']:.0f} s (default: "
+                 f"{o['1']['p95']:.0f} s), 4-GPU {t['4']['p95']:.0f} s (default: {o['4']['p95']:.0f} s), 8-GPU "
+                 f"{t['8']['p95']:.0f} s (default: {o['8']['p95']:.0f} s); allocation {_pct(s['allocation']):.1f} % "
+                 f"(default: {_pct(off['allocation']):.1f} %); cold re-grants {s['cold_regrants']} (default: "
+                 f"{off['cold_regrants']}).",
         ))
     return figures
 
@@ -149,6 +185,7 @@ def run(opts: Any) -> list[Figure]:
     figures += small_first_sweep(trace, [(3600.0, 0.0)] if quick else
                                  [(3600.0, 0.0), (3600.0, 120.0), (43200.0, 120.0), (172800.0, 120.0)])
     figures += estimates(trace)
+    figures += contended_month(quick)
     reps = 1 if quick else 3
     walls, base_walls = [], []
     for _ in range(reps):
