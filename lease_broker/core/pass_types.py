@@ -17,11 +17,12 @@ class Pending:
     seq: int
     duration: float  # effective lease duration (policy applied)
     queued_at: float = 0.0  # when it was requested (small_first_timeout counts from here)
+    prefer: tuple[str, ...] = ()  # the GPUs its notebook's lease just gave back: taken again if still free
 
     @classmethod
-    def of(cls, lease: Lease) -> Pending:
-        """A queued lease as a pass sees it."""
-        return cls(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds, lease.created_at)
+    def of(cls, lease: Lease, prefer: tuple[str, ...] = ()) -> Pending:
+        """A queued lease as a pass sees it (``prefer``: see ``manager.warm.WarmRegrants``)."""
+        return cls(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds, lease.created_at, prefer)
 
 
 @dataclasses.dataclass(frozen=True)

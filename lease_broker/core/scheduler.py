@@ -220,9 +220,38 @@ class _State:
         if room < req.min_gpus or self.idle_count < req.min_gpus:
             return None
         want_max = int(min(req.max_gpus, room + 1e-9))
+        fit = self.fit_for(p)
+        chosen = self._preferred(p, end, want_max, fit) if p.prefer else None
+        if chosen is None:
+            chosen = self._choose(p, end, want_max, fit)
+        chosen = self.types.trim(p.user, chosen or [], req.min_gpus)  # per-type caps
+        if not chosen:
+            return None
+        chosen = [self.take(s, end) for s in chosen]
+        self._charge(p, len(chosen), chosen)
+        nodes = sorted({s.node for s in chosen})
+        return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
+
+    def _preferred(self, p: Pending, end: float, want_max: int, fit: Callable[[Slot], bool] | None
+                   ) -> list[Slot] | None:
+        """A warm re-grant: the GPUs ``p.prefer`` names (its notebook's lease just gave them back) when every one
+        is still usable for it (idle, planned for no earlier request, of its type), as many as it asks for and on
+        one node if it must be; else None (placed as any request)."""
+        req = p.request
+        slots = [self.by_id.get(g) for g in p.prefer]
+        mine = [s for s in slots if s is not None and self._usable(s, end, p.user) and (fit is None or fit(s))]
+        if len(mine) < len(slots) or len(mine) < req.min_gpus:
+            return None
+        if req.locality == "node" and len({s.node for s in mine}) > 1:
+            return None
+        return mine[:want_max]
+
+    def _choose(self, p: Pending, end: float, want_max: int, fit: Callable[[Slot], bool] | None
+                ) -> list[Slot] | None:
+        """The GPUs for an exclusive request: best fit on one node, or across nodes with locality 'any'."""
+        req = p.request
         need = max(1, req.min_gpus) if req.locality == "node" else 1
         free_of: Callable[[str], list[Slot]]
-        fit = self.fit_for(p)
         if fit is not None:  # a type, a memory size, no MIG devices or a per-type cap: only the devices that fit
             free_by_node = {n: [s for s in self.nodes[n] if fit(s) and self._usable(s, end, p.user)]
                             for n, k in self.ix.idle.items() if k >= need}
@@ -255,13 +284,7 @@ class _State:
                     if more <= 0:
                         break
                     chosen.extend(pick_connected(free_of(node), min(more, -k)))
-        chosen = self.types.trim(p.user, chosen or [], req.min_gpus)  # per-type caps
-        if not chosen:
-            return None
-        chosen = [self.take(s, end) for s in chosen]
-        self._charge(p, len(chosen), chosen)
-        nodes = sorted({s.node for s in chosen})
-        return Grant(p.lease_id, tuple(s.id for s in chosen), nodes[0] if len(nodes) == 1 else ",".join(nodes))
+        return chosen
 
     def _idle_of(self, node: str) -> list[Slot]:
         return [s for s in self.nodes[node] if s.idle]

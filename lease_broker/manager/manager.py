@@ -53,6 +53,7 @@ from .restore import double_grants, load_live
 from .state import LiveState
 from .usage import Usage
 from .views import Views
+from .warm import WarmRegrants
 
 log = logging.getLogger("lease_broker")
 
@@ -77,6 +78,7 @@ class LeaseManager:
         self.planning = Planning(self.state, policy, inventory, self.quotas, self.usage, self.reservations)
         self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
         self.estimates = Estimates(self.state, policy, self.enforcer)  # queued requests' likely starts
+        self.warm = WarmRegrants(policy)  # a notebook's next request gets the GPUs its last lease gave back
         self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption,
                            self.estimates)
         self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
@@ -270,7 +272,7 @@ class LeaseManager:
         self.gpus_changed()
 
     def _enqueue(self, lease: Lease, score: float) -> None:
-        self.state.queue.add(Pending.of(lease), score)
+        self.state.queue.add(Pending.of(lease, self.warm.prefer(lease)), score)
 
     def _log_transition(self, lease: Lease, before: LeaseState) -> None:
         key = (before.value, lease.state.value)
@@ -290,6 +292,7 @@ class LeaseManager:
         """Once a lease's end is stored: its processes stop, the inventory hears, its GPUs go to the queue."""
         if held:
             self.enforcer.stop(lease)
+            self.warm.ended(lease)  # its notebook's next request may get these GPUs again
         self.estimates.ended(lease)  # how long it held its GPUs: the history of the start estimates
         self.inventory.on_end(lease)
         if held:

@@ -70,6 +70,14 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "own timeout holds): the floor below which waiting requests never push an idle lease. 0 = off. "
         "Example: 60.",
     )
+    warm_regrant_seconds = Float(
+        60.0,
+        config=True,
+        help="Seconds after a lease ends (released, idle, expired) during which a new request from the same "
+        "notebook (same user and 'notebook' label, which %%gpu sets) is granted the same GPUs again if they are "
+        "still free and no earlier request in the queue needs them: a notebook's next cell finds its GPU. "
+        "0 = off (a request gets whichever GPUs fit best). Example: 60.",
+    )
     idle_mark_seconds = Float(
         30.0,
         config=True,
@@ -177,6 +185,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "warn_before_seconds",
         "idle_mark_seconds",
         "pressure_idle_timeout_seconds",
+        "warm_regrant_seconds",
         "max_shares_per_gpu",
         "full_pass_seconds",
         "full_pass_depth",

@@ -60,7 +60,8 @@ def summarize(run: Run) -> dict[str, Any]:
     for o in outcomes:
         by_size.setdefault(str(o.gpus), []).append(o.wait)
     later = [o for o in outcomes if not o.first]
-    cold = sum(1 for o in later if not o.warm)
+    regranted = sum(1 for o in later if o.regranted)
+    cold = sum(1 for o in later if not o.warm and not o.regranted)
     per_owner: dict[str, list[float]] = {}
     for o in outcomes:
         acc = per_owner.setdefault(o.owner, [0.0, 0.0])
@@ -82,6 +83,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "time_to_gpu_s": {"all": _ttg([o.wait for o in outcomes]),
                           **{k: _ttg(v) for k, v in sorted(by_size.items(), key=lambda kv: int(kv[0]))}},
         "warm_grants": sum(1 for o in outcomes if o.warm),
+        "warm_regrants": regranted,  # new leases at once on the GPUs the session's last one gave back
         "cold_regrants": cold,
         "cold_regrant_rate": cold / len(later) if later else 0.0,  # of GPU cells after the session's first
         "cold_regrants_per_cell": cold / (len(outcomes) + run.cpu_bursts) if outcomes else 0.0,  # of all cells

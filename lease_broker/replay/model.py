@@ -57,6 +57,7 @@ class Outcome:
     arrival: float  # when the cell asked (trace start, moved by the session's earlier waits)
     wait: float = 0.0  # time to GPU
     warm: bool = False  # ran on a lease the session still held
+    regranted: bool = False  # a warm re-grant: a new lease, at once, on the GPUs the session's last one gave back
     first: bool = True  # the session's first GPU burst (no lease to be warm from)
     granted: bool = False
 

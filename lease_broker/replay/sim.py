@@ -11,7 +11,9 @@ Two modes:
 - ``lease``: each GPU burst is a ``%%gpu`` request of ``num_gpus`` when it arrives. After the
   burst the lease lingers for the idle timeout; the session's next burst reuses it if it comes
   within that time (a *warm* grant), otherwise the enforcer revokes it as idle and the next burst
-  needs a *cold re-grant*. Bursts of one session run in order and keep their think time: when a
+  needs a *cold re-grant* (a *warm re-grant* when it is granted at once on the GPUs the last lease gave back,
+  within ``REGRANT_WINDOW``: the broker's ``warm_regrant_seconds``). Requests carry the session as their
+  ``notebook`` label, as ``%%gpu``'s do. Bursts of one session run in order and keep their think time: when a
   burst waits for GPUs, the session's later bursts move by as much (a notebook runs the next cell
   after the previous one and a pause).
 - ``session`` (today's baseline): each session asks for ``max_gpus`` at its start and holds them
@@ -39,6 +41,9 @@ from .trace import Burst, Trace
 
 OFFSET = 1_000_000.0  # trace time 0 on the virtual clock (exact for whole seconds)
 LINGER_SLACK = 60.0  # a lease asks for its burst + idle timeout + this, so it never expires first
+#: A session's GPU cell that needs a new lease is a warm re-grant, not a cold one, when it is granted at once on
+#: the GPUs its last lease gave back at most this long before (the same yardstick whatever the policy compared)
+REGRANT_WINDOW = 60.0
 #: The time limits the lease mode's requests ask for: ``oracle``, what the burst needs (burst + idle timeout +
 #: LINGER_SLACK; a holder's limit then says when it ends, which no real user knows); ``default``, the policy's
 #: default_duration_seconds, or the smallest multiple of it that fits the burst (as users ask for --time 2h
@@ -133,13 +138,14 @@ class _Sim:
             self.run.gang_block_gpu_seconds += dt * (self.cluster.total - self.held_gpus)
         self.last_t = max(self.last_t, t)
 
-    def request(self, who: Identity, gpus: int, duration: float, idle: float, then: Any) -> Lease:
+    def request(self, who: Identity, gpus: int, duration: float, idle: float, then: Any, session: str = "") -> Lease:
         body: dict[str, Any] = {
             "gpus": gpus,
             "duration_seconds": duration,
             "heartbeat": False,  # the replay stands in for the holder; time and idleness still apply
             "locality": "node" if gpus <= self.cluster.gpus_per_node else "any",
-            "labels": {"replay": self.run.mode},
+            # a notebook's requests carry its name, as %%gpu's do (warm re-grants: manager/warm.py)
+            "labels": {"replay": self.run.mode, **({"notebook": session} if session else {})},
         }
         if idle > 0:
             body["idle_timeout_seconds"] = idle
@@ -271,18 +277,23 @@ class _LeaseSim(_Sim):
         elif lease is not None and lease.state in HOLDING:
             self.m.release(lease.id, st["who"], "replay_too_small")  # a bigger cell: give back, ask anew
             self.collect()
-        st["lease"] = None
+        st["lease"], st["last"] = None, lease
         for running in self.running.values() if self.record_estimates else ():  # active: their runners say so
             if running.state in HOLDING:
                 self.m.activity(running, now)
         lease = self.request(st["who"], b.gpus, self.limit(b.duration + self.idle_req + LINGER_SLACK), self.idle_req,
-                             (key, idx, out))
+                             (key, idx, out), key)
         if lease.state == LeaseState.QUEUED and self.m.policy.pressure_idle_timeout_seconds:
             self.push(now, _PRESSURE, None, now)  # the broker's next tick: idle leases it waits for may go
 
     def granted(self, lease: Lease, then: Any) -> None:
         key, idx, out = then
-        self.state[key]["lease"] = lease
+        st = self.state[key]
+        st["lease"], last = lease, st.pop("last", None)
+        now = self.clock.now()
+        if last is not None and last.ended_at is not None and now - OFFSET == out.arrival \
+                and now - last.ended_at <= REGRANT_WINDOW and set(lease.devices) == set(last.devices):
+            out.regranted = True  # its notebook's GPUs again, at once (manager/warm.py)
         self.start_burst(lease, then)
 
     def start_burst(self, lease: Lease, then: tuple[str, int, Outcome]) -> None:

@@ -183,3 +183,48 @@ def test_no_gpu_is_granted_twice_in_one_pass():
     d = schedule(pend, slots({"a": 8, "b": 8}), {}, SchedulerPolicy(), NOW)
     ids = [i for g in d.grants for i in g.gpu_ids]
     assert len(ids) == len(set(ids)) <= 16
+
+
+# ----------------------------------------------------------------------------- warm re-grants (Pending.prefer)
+def warm(lid: str, prefer: tuple[str, ...], n: int = 1, user: str = "u", seq: int = 0, duration: float = 600,
+         **kw) -> Pending:
+    return Pending(lid, user, LeaseRequest(min_gpus=n, max_gpus=n, **kw), seq, duration, prefer=prefer)
+
+
+def test_a_request_gets_the_gpus_its_notebook_gave_back_when_they_are_free():
+    """Best fit would put a 1-GPU request on the node with one GPU left (b); the notebook's last GPU was a/2."""
+    s = slots({"a": 4, "b": 2})
+    hold(s, ["b/0"], NOW + 3600)
+    assert granted(schedule([req("x")], s, {}, SchedulerPolicy(), NOW)) == {"x": ("b/1",)}
+    assert granted(schedule([warm("x", ("a/2",))], s, {}, SchedulerPolicy(), NOW)) == {"x": ("a/2",)}
+    # a smaller request than the last lease: the first of its GPUs; a bigger one: placed as any request
+    assert granted(schedule([warm("x", ("a/2", "a/3"))], s, {}, SchedulerPolicy(), NOW)) == {"x": ("a/2",)}
+    assert granted(schedule([warm("x", ("a/2",), n=2)], s, {}, SchedulerPolicy(), NOW)) == {"x": ("a/0", "a/1")}
+
+
+def test_no_warm_regrant_when_the_gpu_is_taken_or_planned_for_an_earlier_request():
+    s = slots({"a": 2, "b": 2})
+    hold(s, ["a/1"], NOW + 3600)  # someone else holds the notebook's GPU now
+    assert granted(schedule([warm("x", ("a/1",))], s, {}, SchedulerPolicy(), NOW)) == {"x": ("a/0",)}
+    # an earlier request got it in this pass: the later one gets another
+    s = slots({"a": 2, "b": 2})
+    d = schedule([warm("first", ("a/1",), seq=1), warm("x", ("a/1",), seq=2)], s, {}, SchedulerPolicy(), NOW)
+    assert granted(d) == {"first": ("a/1",), "x": ("a/0",)}
+    # a blocked gang waits for node a (b is held longer): a/1 is reserved for it from when a/0 frees, so a warm
+    # request that would end after that start does not take it
+    s = slots({"a": 2, "b": 2})
+    hold(s, ["a/0"], NOW + 100)
+    hold(s, ["b/0", "b/1"], NOW + 3600)
+    d = schedule([req("gang", 2, seq=1), warm("x", ("a/1",), seq=2, duration=600)], s, {}, SchedulerPolicy(), NOW)
+    assert granted(d) == {} and set(d.plan["gang"].gpu_ids) == {"a/0", "a/1"}
+    d = schedule([req("gang", 2, seq=1), warm("x", ("a/1",), seq=2, duration=60)], s, {}, SchedulerPolicy(), NOW)
+    assert granted(d) == {"x": ("a/1",)}  # it ends before the gang's start: backfilled on its own GPU
+
+
+def test_a_warm_regrant_keeps_to_the_requests_type_and_locality():
+    s = slots({"a": 2, "b": 2})
+    s[0].name = "NVIDIA H100 80GB HBM3"  # a/0 is an H100, the rest (no name) are not
+    d = schedule([warm("x", ("b/0",), gpu_type="H100")], s, {}, SchedulerPolicy(), NOW)
+    assert granted(d) == {"x": ("a/0",)}
+    d = schedule([warm("x", ("a/1", "b/1"), n=2)], s, {}, SchedulerPolicy(), NOW)  # locality node: one node
+    assert granted(d)["x"] in (("a/0", "a/1"), ("b/0", "b/1"))

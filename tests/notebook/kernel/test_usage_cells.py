@@ -75,3 +75,29 @@ def test_a_cell_on_a_shared_gpu_that_used_little_gets_a_hint_and_its_figures_are
     assert by_label[0].startswith("project,") and by_label[1].startswith(",") and by_label[2].startswith("vision,")
     table = gpulease(broker.url, "admin", "usage", "--by", "user")
     assert "PEAK MEM" in table and "MEAN UTIL" in table and ME in table
+
+
+def test_a_notebooks_next_gpu_cell_gets_the_gpu_its_last_cell_gave_back(broker_factory, tmp_path: Path) -> None:
+    """Warm re-grants through a real kernel: %%gpu labels its requests with the notebook (JPY_SESSION_NAME, as
+    Jupyter server sets it). A cell runs on the second GPU while another lease holds the first; that lease ends;
+    the notebook's next cell gets the second GPU again, where best fit alone would give it the first."""
+    broker = broker_factory(gpus=2, args=["--tick=0.1"])
+    c = broker.client()
+    k = Kernel(broker.url, str(tmp_path / "art"), {"JPY_SESSION_NAME": "/home/me/train.ipynb"})
+    cell = "%%gpu 1\nimport os\nprint('devices', os.environ['CUDA_VISIBLE_DEVICES'])"
+    try:
+        other = c.request_lease(1, heartbeat=False)
+        first = k.run(cell)
+        assert first.status == "ok", first.outputs
+        c.release(other["id"])
+        first_id = first.stdout.split("gpulease: lease ")[1].split()[0]
+        wait_for(lambda: c.lease(first_id)["state"] == "released", 10, "the first cell's lease released")
+        again = k.run(cell)  # the notebook's next cell, after its last one ended (released just after its answer)
+        assert again.status == "ok", again.outputs
+        devices = [r.stdout.split("devices ")[1].split()[0] for r in (first, again)]
+        assert devices[0] == devices[1]
+        leases = [c.lease(r.stdout.split("gpulease: lease ")[1].split()[0]) for r in (first, again)]
+        assert leases[0]["devices"] == leases[1]["devices"] != other["devices"]
+        assert leases[1]["labels"]["notebook"] == "/home/me/train.ipynb"
+    finally:
+        k.stop()
