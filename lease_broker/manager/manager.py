@@ -333,8 +333,7 @@ class LeaseManager:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> int:
-        """One scheduling pass (an event pass, or a full one when due: ``Planning.select``); returns the number
-        of grants, each applied through ``commit``."""
+        """One scheduling pass (an event or a full one: ``Planning.select``); returns how many grants it committed."""
         now = self.clock.now()
         growable = self.planning.growable(now)
         if not len(self.state.queue) and not self.preemption.warnings and not growable:
