@@ -82,6 +82,42 @@ class WaitDisplay:
             sys.stderr.flush()
 
 
+class HeldReleases:
+    """This kernel's releases held back a moment after a cell's answer (``LeaseRun._reap``: a release then would
+    compete with the answer), cut short when a request of this kernel queues: the GPU it waits for may be the one
+    its own last cell still holds (``Run All`` on a full cluster), and the answer they held back for is sent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: set[threading.Event] = set()
+
+    def ticket(self) -> threading.Event:
+        """A release to come: hold it back with :meth:`wait`."""
+        ticket = threading.Event()
+        with self._lock:
+            self._pending.add(ticket)
+        return ticket
+
+    def wait(self, ticket: threading.Event, seconds: float) -> None:
+        """Up to ``seconds`` (at once if :meth:`hurry` was called meanwhile); the caller then releases."""
+        ticket.wait(max(0.0, seconds))
+        with self._lock:
+            self._pending.discard(ticket)
+
+    def hurry(self) -> bool:
+        """Let every held release go now; whether any was held."""
+        with self._lock:
+            pending = list(self._pending)
+        for ticket in pending:
+            ticket.set()
+        return bool(pending)
+
+
+HELD = HeldReleases()
+#: seconds of the first poll of a request that queued while this kernel held a release back (no wait display yet)
+HURRIED_POLL = 0.2
+
+
 def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> LeaseView:
     """Request a lease and wait for its grant. Cancels it on interrupt, error or timeout.
 
@@ -97,6 +133,7 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
     start = time.monotonic()
     display: WaitDisplay | None = None
     granted = False
+    hurried = HELD.hurry()  # this kernel's last lease, if it still holds one, is given back now
     try:
         try:
             while lease.state == "queued":
@@ -106,6 +143,11 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
                         f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.position} in the "
                         "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
                     )
+                if hurried:  # the GPU may come the moment that release is stored: no wait display before
+                    hurried = False
+                    lease = client.lease(lease.id, wait=min(HURRIED_POLL, max_wait - waited) if max_wait else
+                                         HURRIED_POLL)
+                    continue
                 if display is None:
                     display = WaitDisplay(label)
                 display.update(lease, waited)

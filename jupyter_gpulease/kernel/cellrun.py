@@ -24,7 +24,7 @@ from ..client import BrokerClient, BrokerError, LeaseView
 from ..executors.base import Sink, Worker, WorkerCrashed
 from ..worker import transfer, vmcopy
 from ..worker.later import later
-from .acquire import Heartbeater, release_quietly
+from .acquire import HELD, Heartbeater, release_quietly
 from .drive import Sinks, drive
 
 # Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
@@ -304,9 +304,11 @@ class LeaseRun:
 
     def _reap(self, worker: Worker, then_end: bool) -> None:
         """Wait for the worker's exit in the background; with ``then_end``, then release the lease, once the kernel
-        has had ``RELEASE_AFTER`` seconds to answer the cell (the release would compete with that answer)."""
+        has had ``RELEASE_AFTER`` seconds to answer the cell (the release would compete with that answer), or at
+        once when a request of this kernel queues meanwhile (``acquire.HELD``)."""
         handed = time.monotonic()
         reaped = threading.Event()
+        ticket = HELD.ticket() if then_end else None  # a request of this kernel that queues cuts the wait short
 
         def reap() -> None:
             try:
@@ -314,8 +316,8 @@ class LeaseRun:
                 worker.close()
             finally:
                 reaped.set()
-                if then_end:
-                    time.sleep(max(0.0, handed + RELEASE_AFTER - time.monotonic()))
+                if ticket is not None:
+                    HELD.wait(ticket, handed + RELEASE_AFTER - time.monotonic())
                     self.end(from_reaper=True)
 
         if then_end:

@@ -58,3 +58,46 @@ def test_show_says_when_a_queued_lease_will_likely_start():
     rows = {line.split()[0]: line.split(None, 1)[1] for line in lease_text(lease, [], now=NOW).splitlines()[:9]
             if line.strip()}
     assert rows["starts"] == "in ~5–25 min"
+
+
+def test_a_request_that_queues_lets_this_kernels_held_back_release_go_at_once(broker_factory, capsys):
+    """A cell's release waits a moment after its answer (LeaseRun._reap); the next cell's request that queues for
+    that very GPU (Run All on a full cluster) cuts the wait short instead of waiting it out with a queue display.
+    Here the held-back release would wait 60 s, and the request may wait 10 s: it is granted, without a display."""
+    import threading
+
+    from jupyter_gpulease.kernel.acquire import HELD, acquire
+
+    broker = broker_factory(gpus=1, args=["--tick=0.1"])
+    c = broker.client()
+    last = c.request_lease(1, heartbeat=False)
+    ticket = HELD.ticket()
+
+    def reaper() -> None:  # as LeaseRun._reap does after the worker is gone
+        HELD.wait(ticket, 60.0)
+        c.release(last["id"])
+
+    thread = threading.Thread(target=reaper, daemon=True)
+    thread.start()
+    got = acquire(c, {"gpus": 1, "heartbeat": False}, 10.0, "%%gpu 1")
+    assert got.state == "granted" and got.devices == last["devices"]
+    assert c.lease(last["id"])["state"] == "released"
+    assert "queued" not in capsys.readouterr().err  # no wait line was shown
+    thread.join(5)
+    assert not HELD.hurry()  # nothing held back any more
+
+
+def test_back_to_back_cells_on_one_gpu_each_get_it(broker_factory, tmp_path) -> None:
+    """Run All on a one-GPU broker through a real kernel: each cell's request comes while the last cell's lease is
+    still being given back; each cell runs, none shows the wait widget."""
+    from kernels import Kernel
+
+    broker = broker_factory(gpus=1, args=["--tick=0.1"])
+    k = Kernel(broker.url, str(tmp_path / "art"))
+    try:
+        for i in range(5):
+            r = k.run(f"%%gpu 1\nprint('cell', {i})")
+            assert r.status == "ok" and f"cell {i}" in r.stdout, r.outputs
+            assert not [o for o in r.outputs if o["msg_type"] == "display_data"], r.outputs  # no wait widget
+    finally:
+        k.stop()
