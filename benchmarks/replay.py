@@ -16,7 +16,7 @@ from traitlets.config import Config
 
 from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.replay import Cluster, compare, load_trace, replay, summarize, tile
-from lease_broker.replay.report import plot
+from lease_broker.replay.report import plot, pressure_plot
 from lease_broker.replay.sim import REGRANT_WINDOW
 from lease_broker.replay.trace import Trace
 
@@ -34,14 +34,16 @@ def _pct(x: float) -> float:
     return 100.0 * x
 
 
-def pressure_sweep(trace: Trace, pressures: list[float]) -> list[Figure]:
-    """The contended 2x8 cluster with ``pressure_idle_timeout_seconds`` against the same replay without it."""
+def pressure_sweep(trace: Trace, pressures: list[float], draw: bool) -> list[Figure]:
+    """The contended 2x8 cluster with ``pressure_idle_timeout_seconds`` against the same replay without it; with
+    ``draw``, the trade-off plot over the sweep (docs/images)."""
     cluster = Cluster(2, 8)
     off = summarize(replay(trace, cluster, mode="lease", idle=600))
-    figures = []
+    figures, runs = [], [("off", off)]
     for p in pressures:
         policy = LeasePolicy(config=Config(LeasePolicy=Config(pressure_idle_timeout_seconds=p)))
         s = summarize(replay(trace, cluster, policy, mode="lease", idle=600))
+        runs.append((f"{p:g} s", s))
         t, o = s["time_to_gpu_s"], off["time_to_gpu_s"]
         figures.append(figure(
             f"held-but-idle GPU-time, {cluster}, idle 10m, pressure idle timeout {p:g} s", "%",
@@ -53,6 +55,9 @@ def pressure_sweep(trace: Trace, pressures: list[float]) -> list[Figure]:
                  f"{off['cold_regrants']}); gang blocking {s['gang_block_gpu_s'] / 3600:.0f} GPU-h (without: "
                  f"{off['gang_block_gpu_s'] / 3600:.0f}).",
         ))
+    drawn = pressure_plot(runs, str(IMAGES / f"replay-pressure-{cluster}.png")) if draw else None
+    if drawn:
+        figures[0]["note"] += f" Trade-off plot over the sweep: docs/images/{Path(drawn).name}."
     return figures
 
 
@@ -204,7 +209,7 @@ def run(opts: Any) -> list[Figure]:
                      f"(baseline {base['fairness_jain']:.3f}).",
             ))
     figures += warm_regrants(trace)
-    figures += pressure_sweep(trace, [60.0] if quick else [30.0, 60.0, 120.0, 300.0])
+    figures += pressure_sweep(trace, [60.0] if quick else [30.0, 60.0, 120.0, 300.0], not quick)
     figures += small_first_sweep(trace, [(3600.0, 0.0)] if quick else
                                  [(3600.0, 0.0), (3600.0, 120.0), (43200.0, 120.0), (172800.0, 120.0)])
     figures += estimates(trace)

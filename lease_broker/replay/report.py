@@ -109,3 +109,32 @@ def plot(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any], path: st
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def pressure_plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str) -> str | None:
+    """Held-but-idle GPU-time against cold re-grants and against the 1-GPU cells' p95 wait, one point per
+    ``(label, summary)`` (the pressure idle timeouts of a sweep); None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ys = [100 * s["reserved_idle_fraction"] for _, s in runs]
+    panels = (("cold re-grants", [s["cold_regrants"] for _, s in runs]),
+              ("time to GPU, 1-GPU cells, p95 (s)", [s["time_to_gpu_s"]["1"]["p95"] for _, s in runs]))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, (xlabel, xs) in zip(axes, panels, strict=True):
+        ax.plot(xs, ys, marker="o", linestyle="none")
+        for (label, _), x, y in zip(runs, xs, ys, strict=True):
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5))
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("held-but-idle GPU-time (%)")
+    fig.suptitle(f"Pressure idle timeout trade-off, {runs[0][1]['cluster']} cluster, idle timeout "
+                 f"{_sec(runs[0][1]['idle_timeout_s'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
