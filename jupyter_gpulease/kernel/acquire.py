@@ -145,8 +145,8 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
                     )
                 if hurried:  # the GPU may come the moment that release is stored: no wait display before
                     hurried = False
-                    lease = client.lease(lease.id, wait=min(HURRIED_POLL, max_wait - waited) if max_wait else
-                                         HURRIED_POLL)
+                    poll = HURRIED_POLL if max_wait is None else min(HURRIED_POLL, max_wait - waited)
+                    lease = client.lease(lease.id, wait=poll)
                     continue
                 if display is None:
                     display = WaitDisplay(label)
