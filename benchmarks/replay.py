@@ -82,6 +82,30 @@ def warm_regrants(trace: Trace) -> list[Figure]:
     )]
 
 
+def learned_pauses(trace: Trace, pressures: list[float]) -> list[Figure]:
+    """The contended 2x8 cluster under the pressure idle timeout with ``pressure_learns_pauses`` against the same
+    pressure without it, same run."""
+    cluster = Cluster(2, 8)
+    figures = []
+    for p in pressures:
+        runs = []
+        for learns in (True, False):
+            conf = Config(LeasePolicy=Config(pressure_idle_timeout_seconds=p, pressure_learns_pauses=learns))
+            runs.append(summarize(replay(trace, cluster, LeasePolicy(config=conf), mode="lease", idle=600)))
+        (s, t), (o, u) = ((r, r["time_to_gpu_s"]) for r in runs)
+        figures.append(figure(
+            f"cold re-grants, {cluster}, idle 10m, pressure idle timeout {p:g} s, learning pauses", "re-grants",
+            [s["cold_regrants"]], "the same pressure without learning", [o["cold_regrants"]],
+            note=f"`{COMMAND.split(' --sweep')[0].format(cluster=cluster)} --idle 10m --config C` with "
+                 f"c.LeasePolicy.pressure_idle_timeout_seconds = {p:g}, c.LeasePolicy.pressure_learns_pauses = True: "
+                 "a lease whose holder came back from pauses before gets the median of its last pauses under "
+                 f"pressure. Held-but-idle {_pct(s['reserved_idle_fraction']):.2f} % (without learning: "
+                 f"{_pct(o['reserved_idle_fraction']):.2f} %); time to GPU p95: 1-GPU {t['1']['p95']:.0f} s "
+                 f"({u['1']['p95']:.0f} s), 8-GPU {t['8']['p95']:.0f} s ({u['8']['p95']:.0f} s).",
+        ))
+    return figures
+
+
 def small_first_sweep(trace: Trace, settings: list[tuple[float, float]]) -> list[Figure]:
     """The contended 2x8 cluster with small requests first (``small_first_gpus=1``) for each (``small_first_timeout``,
     ``pressure_idle_timeout_seconds``) of ``settings``, against today's default policy in the same run (issue 22)."""
@@ -210,6 +234,7 @@ def run(opts: Any) -> list[Figure]:
             ))
     figures += warm_regrants(trace)
     figures += pressure_sweep(trace, [60.0] if quick else [30.0, 60.0, 120.0, 300.0], not quick)
+    figures += learned_pauses(trace, [120.0] if quick else [60.0, 120.0, 300.0])
     figures += small_first_sweep(trace, [(3600.0, 0.0)] if quick else
                                  [(3600.0, 0.0), (3600.0, 120.0), (43200.0, 120.0), (172800.0, 120.0)])
     figures += estimates(trace)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import statistics
 from typing import Protocol
 
 from ..core.clock import Clock
@@ -26,6 +27,7 @@ from .ports import LeaseOps
 from .state import LiveState
 
 log = logging.getLogger("lease_broker")
+PAUSES_KEPT = 8  # a lease's last idle pauses that pressure_learns_pauses takes the median of
 
 
 class Probe(Protocol):
@@ -57,6 +59,7 @@ class Enforcer:
         self.unhealthy: dict[str, str] = {}  # gpu -> why
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
         self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
+        self.pauses: dict[str, list[float]] = {}  # lease -> its last idle pauses that ended in activity
         self.pressure: tuple[int, dict[str, int]] | None = None  # as of the last tick (see _pressure)
         self.closed: dict[str, str] = {}  # gpu -> why, as an engine closed it (a subset of unhealthy)
         self.watch = GpuWatch(state, ops, policy, events, clock, self)
@@ -70,6 +73,7 @@ class Enforcer:
         known = self.proc_ticks.pop(lease.id, None)  # None: never attached nor restored, nothing stored
         pids = known or {}
         self.warned.pop(lease.id, None)
+        self.pauses.pop(lease.id, None)
         alive = {p: t for p, t in pids.items() if _alive(p, t)}
         now = self.clock.now()
         # the GPU is clean only when the descendants are gone too (they may have left the process group)
@@ -123,6 +127,16 @@ class Enforcer:
     def slot_index(self, now: float) -> SlotIndex:
         """The GPUs for a pass: the table's index, with draining GPUs free after term_timeout, unhealthy never."""
         return self.state.table.slot_index(self.draining, self.unhealthy, now + self.policy.term_timeout)
+
+    def resumed(self, lease: Lease, now: float) -> None:
+        """Activity on ``lease`` (before it is recorded): its idle warning no longer holds, and a pause of at least
+        ``idle_mark_seconds`` is one its holder came back from (``pressure_learns_pauses``)."""
+        self.clear_warning(lease.id, "idle")
+        pause = now - lease.last_activity
+        if pause >= self.policy.idle_mark_seconds and lease.state in HOLDING:
+            mine = self.pauses.setdefault(lease.id, [])
+            mine.append(pause)
+            del mine[:-PAUSES_KEPT]
 
     def clear_warning(self, lease_id: str, kind: str) -> None:
         warned = self.warned.get(lease_id)
@@ -197,13 +211,19 @@ class Enforcer:
     def idle_timeout(self, lease: Lease) -> tuple[float, bool]:
         """The lease's idle timeout as of the last tick, and whether it is the pressure one: the request at the
         head of the queue would fit on this lease's GPUs with the free GPUs of its node (then
-        ``pressure_idle_timeout_seconds``, never above the lease's own timeout)."""
+        ``pressure_idle_timeout_seconds``, or with ``pressure_learns_pauses`` the median of the holder's last
+        pauses if longer; never above the lease's own timeout)."""
         own, short, pressure = lease.idle_timeout_seconds, self.policy.pressure_idle_timeout_seconds, self.pressure
         if pressure is None or not own or short >= own:
             return own, False
         need, free = pressure
         if len(lease.devices) + free.get(lease.node, 0) < need:
             return own, False
+        pauses = self.pauses.get(lease.id) if self.policy.pressure_learns_pauses else None
+        if pauses:  # its holder's usual pause, so that a notebook between its cells keeps its GPU
+            short = max(short, statistics.median(pauses))
+            if short >= own:
+                return own, False
         return short, True
 
     def _warn(self, lease: Lease, kind: str, deadline: float) -> None:

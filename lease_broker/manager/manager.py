@@ -302,7 +302,7 @@ class LeaseManager:
         self.commit(lease, Change(state=LeaseState.IDLE, reason="no_activity"))
 
     def activity(self, lease: Lease, now: float) -> None:
-        self.enforcer.clear_warning(lease.id, "idle")
+        self.enforcer.resumed(lease, now)  # the pause it came back from; its idle warning no longer holds
         if lease.state in (LeaseState.GRANTED, LeaseState.IDLE):
             self.commit(lease, Change(state=LeaseState.ACTIVE, reason="activity", last_activity=now))
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..core.errors import BadRequest, Forbidden
@@ -69,6 +69,15 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "activity instead of its own idle timeout (never later than that; with no one waiting the lease's "
         "own timeout holds): the floor below which waiting requests never push an idle lease. 0 = off. "
         "Example: 60.",
+    )
+    pressure_learns_pauses = Bool(
+        False,
+        config=True,
+        help="With pressure_idle_timeout_seconds: a lease whose holder has come back after idle pauses before "
+        "(a notebook between its cells) is given the median of its last pauses instead of the pressure timeout "
+        "(never less, never more than its own idle timeout), so a notebook that thinks 5 minutes between cells "
+        "is not revoked after 2 while someone waits; a lease with no pause yet gets the pressure timeout. "
+        "Example: True.",
     )
     warm_regrant_seconds = Float(
         60.0,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import statistics
 import time
 from typing import Any
 
@@ -316,9 +317,14 @@ class _LeaseSim(_Sim):
                 self.m.activity(lease, now)
                 if lease.idle_timeout_seconds > 0 and self.idle_req > 0:
                     self.push(_deadline(now, lease.idle_timeout_seconds), _DEADLINE, lease, now)
-                    pressure = self.m.policy.pressure_idle_timeout_seconds
+                    pol = self.m.policy
+                    pressure = pol.pressure_idle_timeout_seconds
                     if 0 < pressure < lease.idle_timeout_seconds:  # revoked then if someone waits for it
                         self.push(_deadline(now, pressure), _PRESSURE, lease, now)
+                        pauses = self.m.enforcer.pauses.get(lease.id) if pol.pressure_learns_pauses else None
+                        usual = statistics.median(pauses) if pauses else 0.0
+                        if pressure < usual < lease.idle_timeout_seconds:  # its holder's usual pause instead
+                            self.push(_deadline(now, usual), _PRESSURE, lease, now)
                 else:
                     self.m.release(lease.id, st["who"], "cell_done")
                     self.collect()

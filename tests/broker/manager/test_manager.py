@@ -298,3 +298,36 @@ def test_attach_rejects_foreign_and_unrelated_processes(make):
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("learns", [False, True])
+def test_pressure_learns_a_notebooks_usual_pause(make, learns):
+    """With pressure_learns_pauses, a lease whose holder came back after 200 s pauses twice keeps its GPU for 200 s
+    of idleness while someone waits (warned 10 s before), not the 60 s pressure timeout; a lease with no pause
+    yet gets the 60 s. Without the option both get 60 s."""
+    m, clock = make(gpus=2, pressure_learns_pauses=learns, **PRESSURE)
+    notebook, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    for _ in range(2):  # two cells, each after a 200 s pause (nobody waits meanwhile)
+        clock.advance(200)
+        m.heartbeat(notebook.id, ALICE, active=True)
+    fresh, _ = m.request(BOB, {"gpus": 1, "heartbeat": False})  # granted now: no pause yet
+    waiting, _ = m.request(CAROL, {"gpus": 1, "heartbeat": False})
+    clock.advance(61)
+    m.tick()
+    assert fresh.state == LeaseState.REVOKED and fresh.reason == "idle_pressure" and waiting.state == LeaseState.GRANTED
+    again, _ = m.request(CAROL, {"gpus": 1, "heartbeat": False})  # someone else waits for the notebook's GPU
+    m.tick()
+    if not learns:
+        assert notebook.state == LeaseState.REVOKED and again.state == LeaseState.GRANTED
+        return
+    assert notebook.state == LeaseState.IDLE and m.view(notebook)["idle_deadline"] == pytest.approx(
+        notebook.last_activity + 200)
+    for step in (200 - 61 - 10, 10):
+        clock.advance(step)
+        m.heartbeat(waiting.id, CAROL, active=True)  # the cell that got the fresh lease's GPU runs
+        m.tick()
+        if step != 10:
+            warned = [w["deadline"] for w in events_of(m, "warning") if w["lease_id"] == notebook.id]
+            assert warned[-1] == pytest.approx(notebook.last_activity + 200) and notebook.state == LeaseState.IDLE
+    assert notebook.state == LeaseState.REVOKED and notebook.reason == "idle_pressure"
+    assert again.state == LeaseState.GRANTED and again.devices == notebook.devices
