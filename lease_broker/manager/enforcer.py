@@ -219,12 +219,15 @@ class Enforcer:
         need, free = pressure
         if len(lease.devices) + free.get(lease.node, 0) < need:
             return own, False
-        pauses = self.pauses.get(lease.id) if self.policy.pressure_learns_pauses else None
-        if pauses:  # its holder's usual pause, so that a notebook between its cells keeps its GPU
-            short = max(short, statistics.median(pauses))
-            if short >= own:
-                return own, False
+        short = max(short, self.usual_pause(lease))  # so that a notebook between its cells keeps its GPU
+        if short >= own:
+            return own, False
         return short, True
+
+    def usual_pause(self, lease: Lease) -> float:
+        """With ``pressure_learns_pauses``, the median of the holder's last pauses (0 without one or the option)."""
+        pauses = self.pauses.get(lease.id) if self.policy.pressure_learns_pauses else None
+        return statistics.median(pauses) if pauses else 0.0
 
     def _warn(self, lease: Lease, kind: str, deadline: float) -> None:
         log.info("Lease %s warned: %s at %.0f, user %s", lease.id, kind, deadline, lease.user)

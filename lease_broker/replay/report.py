@@ -86,14 +86,29 @@ def describe(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any] | Non
     return "\n".join(lines)
 
 
-def plot(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any], path: str) -> str | None:
-    """Reclaimed GPU-time against cold re-grant rate over the sweep; None if matplotlib is missing."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing to files, or None if matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any], path: str) -> str | None:
+    """Reclaimed GPU-time against cold re-grant rate over the sweep; None if matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return None
     xs = [100 * s["cold_regrant_rate"] for s in summaries]
     ys = [100 * (1 - s["reserved_gpu_s"] / baseline["reserved_gpu_s"]) for s in summaries]
@@ -105,21 +120,14 @@ def plot(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any], path: st
     ax.set_ylabel("GPU-time reclaimed vs session baseline (%)")
     ax.set_title(f"Idle timeout trade-off, {summaries[0]['cluster']} cluster")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def pressure_plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str) -> str | None:
     """Held-but-idle GPU-time against cold re-grants and against the 1-GPU cells' p95 wait, one point per
     ``(label, summary)`` (the pressure idle timeouts of a sweep); None if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     ys = [100 * s["reserved_idle_fraction"] for _, s in runs]
     panels = (("cold re-grants", [s["cold_regrants"] for _, s in runs]),
@@ -134,7 +142,4 @@ def pressure_plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str) -> str 
     axes[0].set_ylabel("held-but-idle GPU-time (%)")
     fig.suptitle(f"Pressure idle timeout trade-off, {runs[0][1]['cluster']} cluster, idle timeout "
                  f"{_sec(runs[0][1]['idle_timeout_s'])}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

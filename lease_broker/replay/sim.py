@@ -25,7 +25,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import statistics
 import time
 from typing import Any
 
@@ -317,12 +316,10 @@ class _LeaseSim(_Sim):
                 self.m.activity(lease, now)
                 if lease.idle_timeout_seconds > 0 and self.idle_req > 0:
                     self.push(_deadline(now, lease.idle_timeout_seconds), _DEADLINE, lease, now)
-                    pol = self.m.policy
-                    pressure = pol.pressure_idle_timeout_seconds
+                    pressure = self.m.policy.pressure_idle_timeout_seconds
                     if 0 < pressure < lease.idle_timeout_seconds:  # revoked then if someone waits for it
                         self.push(_deadline(now, pressure), _PRESSURE, lease, now)
-                        pauses = self.m.enforcer.pauses.get(lease.id) if pol.pressure_learns_pauses else None
-                        usual = statistics.median(pauses) if pauses else 0.0
+                        usual = self.m.enforcer.usual_pause(lease)
                         if pressure < usual < lease.idle_timeout_seconds:  # its holder's usual pause instead
                             self.push(_deadline(now, usual), _PRESSURE, lease, now)
                 else:
