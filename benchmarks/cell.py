@@ -221,6 +221,41 @@ def _transfer(k: _Kernel, peers: dict[str, cell_peers.Peer], missing: dict[str, 
     return figures
 
 
+def _park(k: _Kernel, size: int, reps: int) -> list[Figure]:
+    """A session holding ``size`` bytes of numpy parked by hand (worker pickles into /dev/shm, exits, lease
+    released) and resumed by its next cell (new lease, new worker, state loaded back), against numpy writing and
+    reading the same bytes to and from /dev/shm in the kernel, in the same rounds."""
+    k.run(f"%%gpu --session pk\nimport numpy as np\nw = np.random.default_rng(0).random({size // 8})")
+    k.run(f"import numpy as np, os\nx = np.random.default_rng(0).random({size // 8})\n"
+          "shm = f'/dev/shm/glbench-{os.getpid()}'")
+    parks: list[float] = []
+    resumes: list[float] = []
+    writes: list[float] = []
+    reads: list[float] = []
+    try:
+        for _ in range(reps):
+            time.sleep(0.3)
+            parks.append(1000 * k.run("%gpu session park pk"))
+            time.sleep(0.3)
+            resumes.append(1000 * k.run("%%gpu --session pk\nw.shape"))
+            writes.append(1000 * k.run("x.tofile(shm)"))
+            reads.append(1000 * k.run("y = np.fromfile(shm)\nos.unlink(shm)\ndel y"))
+    finally:
+        k.run("%gpu session stop pk\ndel x")
+    mib = f"{size >> 20} MiB"
+    return [
+        figure(f"park a session holding {mib} of numpy (%gpu session park)", "ms", parks,
+               "numpy writes the same bytes to /dev/shm in the kernel", writes, bar=("p99", "<=", 5000.0),
+               note="from the line magic to its answer: the worker pickles its namespace (buffers out of band into "
+                    "one file in /dev/shm, worker/park.py), exits, and the lease is released. Bar: the broker's "
+                    "default term_timeout (5 s), the time a worker has to park when the broker ends its lease."),
+        figure(f"resume a parked session holding {mib}: its next cell", "ms", resumes,
+               "numpy reads the same bytes back from /dev/shm in the kernel", reads, bar=None,
+               note="a new lease, a new session worker, the state mapped back from /dev/shm and unpickled, then the "
+                    "cell (`w.shape`), in the same rounds as the park."),
+    ]
+
+
 def _run_all(tmp: str, n: int, blocks: int) -> list[Figure]:
     """Run All: trivial ``%%gpu`` cells back to back (each sent the moment the last answered) in a kernel on a
     one-GPU broker, where each cell's request comes while the last cell's lease is still being given back,
@@ -286,6 +321,7 @@ def run(opts: Any) -> list[Figure]:
         figures += _transfer(k, peers, missing, size, 3 if quick else 15)
         samples, base = _exit_to_grant(b, k, 3 if quick else 15)  # the session holds the other GPU meanwhile
         k.run("%gpu session stop bench")
+        figures += _park(k, size, 3 if quick else 8)
         figures.append(figure(
             "worker exit → GPU granted to the next waiting request", "ms", samples,
             "plain client release → waiting request granted", base, bar=("p99", "<=", 500.0),

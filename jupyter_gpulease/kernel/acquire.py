@@ -193,9 +193,11 @@ class Heartbeater:
         self._holding = threading.Event()  # set while there are leases to beat for
         self._thread: threading.Thread | None = None
 
-    def add(self, lease_id: str, active: bool = True, on_reply: Any = None) -> None:
+    def add(self, lease_id: str, active: bool = True, on_reply: Any = None, on_gone: Any = None) -> None:
+        """Beat for ``lease_id``: ``on_reply(view)`` after each beat; ``on_gone()`` once, when the broker answers
+        that the lease has ended (then it is no longer beaten for)."""
         with self._lock:
-            self._leases[lease_id] = {"active": active, "on_reply": on_reply}
+            self._leases[lease_id] = {"active": active, "on_reply": on_reply, "on_gone": on_gone}
             self._holding.set()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="gpulease-heartbeat", daemon=True)
@@ -225,6 +227,11 @@ class Heartbeater:
             except BrokerError as e:
                 if e.status in (404, 409):
                     self.remove(lease_id)
+                    if entry["on_gone"] is not None:
+                        try:
+                            entry["on_gone"]()
+                        except Exception:
+                            pass
                 continue
             except Exception:
                 continue  # the broker may be restarting; try again next time

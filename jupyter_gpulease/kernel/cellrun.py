@@ -209,8 +209,9 @@ class LeaseRun:
         return Sinks(tee(sinks.out), tee(sinks.err))
 
     def run(self, worker: Worker, job: Job, sinks: Sinks, grace: float, single_use: bool = True,
-            release: bool = True, env: dict[str, str] | None = None) -> Outcome:
-        """Run ``job`` on ``worker`` (already started).
+            release: bool = True, env: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> Outcome:
+        """Run ``job`` on ``worker`` (already started); ``extra``: more fields for the job's message (a session's
+        ``park`` and ``restore``, see ``worker.park``).
 
         The result is handed back as soon as the worker sends it; a single-use worker is then
         reaped off the critical path and, with ``release``, the lease given back the moment the
@@ -230,6 +231,7 @@ class LeaseRun:
         reaped = False
         try:
             msg = job_message(job, {**self.env(), **(env or {})}, oob_dir, worker.local and vmcopy.usable())
+            msg.update(extra or {})
             try:
                 result = drive(worker, msg, self.logging_sinks(sinks), grace, self.take_notices)
             except WorkerCrashed as e:

@@ -13,7 +13,7 @@ from ..notify import notify, notify_text
 from ..tables import fmt_duration, leases_table, queue_table, status_text, table
 
 LINE_COMMANDS = """
-Line magic: %gpu status | leases [N] | queue | release ID | sessions | session stop NAME
+Line magic: %gpu status | leases [N] | queue | release ID | sessions | session stop|park NAME
             | artifacts [N] | jobs | notify [show | on | off | KIND[,KIND]]
 """
 
@@ -42,6 +42,10 @@ def line_command(magics: Any, line: str) -> Any:
         elif cmd == "session" and len(rest) == 2 and rest[0] == "stop":
             s = magics.sessions.stop(rest[1])
             print(f"session {s.name!r} stopped; lease {s.lease_id} released")
+        elif cmd == "session" and len(rest) == 2 and rest[0] == "park":
+            s = magics.sessions.park(rest[1])
+            print(f"session {s.name!r} parked in host memory ({s.describe_parked()}); lease {s.lease_id} released. "
+                  "Its next cell gets a GPU and its variables again.")
         elif cmd == "artifacts":
             return _recent_artifacts(magics, int(rest[0]) if rest else 10)
         elif cmd == "notify":
@@ -53,7 +57,8 @@ def line_command(magics: Any, line: str) -> Any:
         else:
             raise UsageError(f"%gpu: unknown command {line.strip()!r}.{LINE_COMMANDS}")
     except (BrokerError, BrokerUnreachable, KeyError, ValueError) as e:
-        raise UsageError(f"%gpu {cmd}: {e}") from None
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is quoted
+        raise UsageError(f"%gpu {cmd}: {why}") from None
     return None
 
 def _recent_artifacts(magics: Any, limit: int) -> None:

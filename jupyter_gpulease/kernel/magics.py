@@ -33,7 +33,7 @@ from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
 from .drive import default_sinks
 from .linecmd import LINE_COMMANDS, line_command
-from .sessions import Session, Sessions
+from .sessions import Session, Sessions, park_dir
 
 
 @magics_class
@@ -92,6 +92,13 @@ class GpuMagics(Magics):
     idle_warning_seconds = Float(
         60.0, config=True,
         help="Warn in the cell this many seconds before a session is revoked for idleness. Example: 60.",
+    )
+    park_sessions = Bool(
+        True, config=True,
+        help="When a --session lease ends while the session waits for its next cell (idle, a waiting request's "
+        "pressure, its time limit, a release), park the session's variables in host memory (tensors on a GPU "
+        "too) and give the GPU back; its next cell gets a GPU and the variables again. False: the session's "
+        "variables are gone with its lease. Example: False.",
     )
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
@@ -265,36 +272,65 @@ class GpuMagics(Magics):
     def _in_session(self, name: str, opts: dict[str, Any], job: Job) -> Any:
         s = self.sessions.get(name)
         if s is not None and not s.alive():
-            print(f"gpulease: session {name!r} ended ({s.ended_reason or 'worker gone'}); starting a new one — "
-                  "its variables are gone", file=sys.stderr)
-            self.sessions.discard(name)
-            s = None
+            with s.lock:  # a park in flight ends first
+                pass
+            if s.find_parked() is None:
+                print(f"gpulease: session {name!r} ended ({s.ended_reason or 'worker gone'}); starting a new one — "
+                      "its variables are gone", file=sys.stderr)
+                self.sessions.discard(name)
+                s = None
+            else:
+                print(f"gpulease: session {name!r} was parked in host memory ({s.describe_parked()}); "
+                      "getting a GPU for it again", file=sys.stderr)
+                s.resume(*self._session_lease(opts))
+                self._beat_for(s)
         if s is None:
-            lease, queued = self._acquire(opts)
-            run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
-            try:
-                worker = self._start_worker(lease, session=True)
-            except Exception:
-                run.end()
-                raise
-            s = Session(name, run, worker)
+            s = Session(name, *self._session_lease(opts))
+            target = park_dir(s.worker, self._root()) if self.park_sessions else None
+            if target is not None:
+                s.park_target = {"dir": target, "to": os.path.join(target, f"gpulease-park-{os.urandom(8).hex()}")}
             self.sessions.add(s)
-            idle = lease.idle_timeout_seconds
-            if idle:
-                self.heartbeater.at_most(max(0.2, idle / 4))
-            window = min(self.idle_warning_seconds, idle / 2) if idle else self.idle_warning_seconds
-            self.heartbeater.add(s.lease_id, active=False,
-                                 on_reply=lambda view, s=s: s.on_heartbeat(view, window, self._sh))
+            self._beat_for(s)
         s.parent = self._sh.get_parent() if hasattr(self._sh, "get_parent") else None
         s.warned = False
         s.cells += 1
+        with s.lock:
+            try:
+                outcome = s.run.run(s.worker, job, default_sinks(), opts["grace"], single_use=False,
+                                    extra=s.job_extra())
+            except CellError as e:
+                if e.ename == "RestoreError":  # the parked state stays for the next try; this lease goes
+                    s.park("could not restore the session")
+                    raise
+                s.restored()
+                raise
+            finally:
+                if not s.worker.alive() and s.find_parked() is None:
+                    self.sessions.discard(name)
+                elif s.worker.alive():
+                    self._after_cell(s.worker)
+            s.restored()
+            return outcome
+
+    def _session_lease(self, opts: dict[str, Any]) -> tuple[LeaseRun, Worker]:
+        """A lease and a started session worker on it."""
+        lease, queued = self._acquire(opts)
+        run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
         try:
-            return s.run.run(s.worker, job, default_sinks(), opts["grace"], single_use=False)
-        finally:
-            if not s.worker.alive():
-                self.sessions.discard(name)
-            else:
-                self._after_cell(s.worker)
+            return run, self._start_worker(lease, session=True)
+        except Exception:
+            run.end()
+            raise
+
+    def _beat_for(self, s: Session) -> None:
+        """Heartbeats for a session's lease: its idle warning, and what to do when the broker ends it."""
+        idle = s.run.lease.idle_timeout_seconds
+        if idle:
+            self.heartbeater.at_most(max(0.2, idle / 4))
+        window = min(self.idle_warning_seconds, idle / 2) if idle else self.idle_warning_seconds
+        self.heartbeater.add(s.lease_id, active=False,
+                             on_reply=lambda view, s=s: s.on_heartbeat(view, window, self._sh),
+                             on_gone=lambda s=s: s.on_gone(self._sh))
 
     def _after_cell(self, session: Worker | None = None) -> None:
         """Once the kernel has answered the cell: a warm worker for the next one (or memory for a session's next

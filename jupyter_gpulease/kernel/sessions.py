@@ -1,17 +1,29 @@
 """``%%gpu --session NAME``: one leased worker kept across cells (a model stays on the GPU)
-until ``%gpu session stop NAME`` or the broker revokes it for idleness (warned first)."""
+until ``%gpu session stop NAME`` or the broker ends its lease (idle, a waiting request's pressure, its time
+limit: warned first).
+
+A session whose lease ends while it waits for its next cell is *parked* (``worker.park``): its worker pickles its
+variables into host memory and exits, so the GPU is free at once; the session's next cell gets a GPU again and
+its variables back. ``%gpu session park NAME`` parks one by hand.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..client import LeaseView
-from ..executors.base import Worker
-from ..tables import fmt_duration
+from ..executors.base import Worker, WorkerCrashed
+from ..tables import fmt_bytes, fmt_duration
+from ..worker import park
 from .cellrun import LeaseRun
+
+#: seconds a worker may take to park its state when the kernel asks (a large model to host memory)
+PARK_TIMEOUT = 600.0
 
 
 @dataclass
@@ -24,6 +36,11 @@ class Session:
     warned: bool = False
     ended_reason: str = ""
     created: float = field(default_factory=time.time)
+    #: where the worker parks its state ({"to": manifest path, "dir": its directory}); None: parking is off
+    park_target: dict[str, str] | None = None
+    #: the parked state's summary (names, dropped, nbytes, at) once parked, until restored
+    parked: dict[str, Any] | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)  # a cell or a park at a time
 
     @property
     def lease_id(self) -> str:
@@ -31,6 +48,98 @@ class Session:
 
     def alive(self) -> bool:
         return not self.ended_reason and self.worker.alive() and self.run.status != "ended"
+
+    def resume(self, run: LeaseRun, worker: Worker) -> None:
+        """A parked session's new lease and worker (its next job restores the parked state)."""
+        self.run, self.worker, self.ended_reason, self.warned = run, worker, "", False
+
+    def job_extra(self) -> dict[str, Any]:
+        """What every job of this session carries: where to park, and the parked state to load first."""
+        extra: dict[str, Any] = {"park": self.park_target} if self.park_target else {}
+        if self.parked is not None and self.park_target:
+            extra["restore"] = self.park_target["to"]
+        return extra
+
+    def restored(self) -> None:
+        """The parked state is back in the worker: its files go."""
+        if self.parked is not None and self.park_target:
+            park.discard(self.park_target["to"])
+        self.parked = None
+
+    def find_parked(self) -> dict[str, Any] | None:
+        """The parked state's summary, when the worker parked (on the broker's SIGTERM, or asked), else None."""
+        if self.parked is None and self.park_target:
+            manifest = park.read(self.park_target["to"])
+            if manifest is not None:
+                self.parked = {k: manifest[k] for k in ("names", "dropped", "nbytes", "at")}
+        return self.parked
+
+    def describe_parked(self) -> str:
+        p = self.parked or {}
+        names = p.get("names") or []
+        text = f"{len(names)} variable{'s' if len(names) != 1 else ''}, {fmt_bytes(p.get('nbytes') or 0)}"
+        dropped = p.get("dropped") or {}
+        if dropped:
+            text += "; left out (cannot be pickled): " + ", ".join(f"{n} ({why})" for n, why in sorted(dropped.items()))
+        return text
+
+    def park(self, reason: str, say: Any = None) -> bool:
+        """Ask the worker to park its state, then stop it and end the lease (``reason``); whether the state is
+        parked."""
+        say = say or (lambda text: None)
+        with self.lock:
+            if self.parked is None and self.park_target and self.worker.alive():
+                try:
+                    self.worker.submit({"type": "park", **self.park_target})
+                    deadline = time.monotonic() + PARK_TIMEOUT
+                    while time.monotonic() < deadline:
+                        msg = self.worker.poll(0.5, say, say)
+                        if msg is not None and msg.get("type") in ("parked", "park_failed"):
+                            if msg.get("error"):
+                                say(f"gpulease: session {self.name!r} could not be parked: {msg['error']}\n")
+                            break
+                except (WorkerCrashed, OSError):
+                    pass  # gone meanwhile (the broker stopped it): it may have parked on its SIGTERM
+            self._stop_worker()
+            self.run.end(reason)
+            self.ended_reason = self.ended_reason or reason
+            return self.find_parked() is not None
+
+    def on_gone(self, shell: Any) -> None:
+        """The broker ended the lease (heartbeat thread): park the state, if the worker has not already (it parks
+        on the broker's SIGTERM; a worker the broker may not stop is asked here), and say so in the session's
+        last cell. Off the heartbeat thread: parking a large model takes a while."""
+        why = self.run.ended_why() or f"its lease {self.lease_id} ended"
+        self.ended_reason = why
+
+        def park_and_say() -> None:
+            say = lambda text: self._say(text.rstrip("\n"), shell)  # noqa: E731
+            parked = self.park_target is not None and (self.park(why, say) or self._wait_parked())
+            if parked:
+                say(f"gpulease: session {self.name!r}: {why}; its variables are parked in host memory "
+                    f"({self.describe_parked()}) and come back with its next cell")
+            else:
+                say(f"gpulease: session {self.name!r}: {why}; its variables are gone")
+
+        threading.Thread(target=park_and_say, name="gpulease-park", daemon=True).start()
+
+    def _wait_parked(self, timeout: float = 5.0) -> bool:
+        """A worker the broker stopped may still be writing its manifest (it has the broker's term_timeout)."""
+        deadline = time.monotonic() + timeout
+        while self.find_parked() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.parked is not None
+
+    def _stop_worker(self) -> None:
+        try:
+            if self.worker.alive():
+                self.worker.submit({"type": "stop"})
+                if self.worker.wait_exit(2.0) is None:
+                    self.worker.kill(1.0)
+        except Exception:
+            self.worker.kill(0.5)
+        finally:
+            self.worker.close()
 
     def on_heartbeat(self, view: LeaseView, warn_window: float, shell: Any) -> None:
         """Called from the heartbeat thread with the broker's view of the lease."""
@@ -41,10 +150,12 @@ class Session:
         deadline = view.idle_deadline
         if deadline and not self.warned and deadline - time.time() <= warn_window:
             self.warned = True
+            then = ("its variables will be parked in host memory until its next cell" if self.park_target
+                    else "its variables will be gone")
             self._say(
                 f"gpulease: session {self.name!r} has been idle; its lease {self.lease_id} will be revoked in "
-                f"{fmt_duration(deadline - time.time())} unless a cell uses it (or `%gpu session stop "
-                f"{self.name}` to give the GPU back now)", shell)
+                f"{fmt_duration(deadline - time.time())} unless a cell uses it, and {then} (`%gpu session park "
+                f"{self.name}` gives the GPU back now, `%gpu session stop {self.name}` ends the session)", shell)
 
     def _say(self, text: str, shell: Any) -> None:
         tokens = None
@@ -57,16 +168,14 @@ class Session:
                 shell.reset_thread_parent(tokens)
 
     def stop(self, reason: str = "released") -> None:
-        try:
-            if self.worker.alive():
-                self.worker.submit({"type": "stop"})
-                if self.worker.wait_exit(2.0) is None:
-                    self.worker.kill(1.0)
-        except Exception:
-            self.worker.kill(0.5)
-        finally:
-            self.worker.close()
-            self.run.end(reason)
+        """End the session: its worker, its lease and any parked state."""
+        with self.lock:
+            try:
+                self._stop_worker()
+            finally:
+                self.run.end(reason)
+                self.find_parked()
+                self.restored()  # (the parked files go)
 
 
 class Sessions:
@@ -96,6 +205,44 @@ class Sessions:
         for name in list(self.by_name):
             self.discard(name)
 
+    def park(self, name: str) -> Session:
+        s = self.by_name.get(name)
+        if s is None:
+            known = ", ".join(sorted(self.by_name)) or "none"
+            raise KeyError(f"No session {name!r} (sessions: {known})")
+        if s.park_target is None:
+            raise ValueError("parking is off (GpuMagics.park_sessions)")
+        if not s.alive() and s.find_parked() is None:
+            raise ValueError(f"session {name!r} has ended ({s.ended_reason or 'worker gone'}): nothing to park")
+        if s.parked is None and not s.park("released", lambda text: print(text, end="", file=sys.stderr)):
+            raise ValueError(f"session {name!r} could not be parked; its lease was released")
+        s.ended_reason = s.ended_reason or "parked"
+        return s
+
     def rows(self) -> list[list[Any]]:
-        return [[s.name, s.lease_id, "alive" if s.alive() else (s.ended_reason or "ended"), s.cells,
-                 fmt_duration(time.time() - s.created)] for s in self.by_name.values()]
+        return [[s.name, s.lease_id, _state(s), s.cells, fmt_duration(time.time() - s.created)]
+                for s in self.by_name.values()]
+
+
+def _state(s: Session) -> str:
+    if s.alive():
+        return "alive"
+    if s.find_parked() is not None:
+        return f"parked ({s.describe_parked()})"
+    return s.ended_reason or "ended"
+
+
+def park_dir(worker: Worker, artifact_root: str | None) -> str | None:
+    """Where a session's worker parks its state: host memory for a worker of this host; the shared artifact
+    directory for one on another node (None when it has none: no parking)."""
+    from ..artifacts import local_root
+    from ..worker import transfer
+
+    if worker.local:
+        return transfer.shm_dir()
+    local = local_root(artifact_root) if artifact_root else None
+    if local is None:
+        return None
+    path = os.path.join(local, ".park")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path

@@ -201,6 +201,10 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, reserve: A
     started = time.monotonic()
     try:
         _prepare(job)
+        if job.get("restore"):  # a parked session's state, before the cell that resumes it
+            from . import park
+
+            ns.update(park.restore(job["restore"]))
         if job.get("inputs") is not None:
             ns.update(transfer.receive(job["inputs"], ask, reserve))
         value: Any = None
@@ -263,6 +267,37 @@ class _Kernel:
             pass
 
 
+class _Parking:
+    """Where a session worker parks its state (the kernel names it in every job: ``park``), and SIGTERM while it
+    waits for a job (the broker ending its lease) parks it before the worker exits; while a job runs, SIGTERM ends
+    the worker as it would without parking."""
+
+    def __init__(self, jobs: SimpleQueue[Any]) -> None:
+        self.jobs = jobs
+        self.target: dict[str, Any] | None = None
+        self.busy = False
+
+    def on_term(self, signum: int, frame: Any) -> None:
+        if self.target is not None and not self.busy:
+            self.busy = True  # a second SIGTERM ends the worker
+            self.jobs.put({"type": "park", **self.target})  # SimpleQueue.put may be called from a signal handler
+            return
+        _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)
+        os.kill(os.getpid(), _signal.SIGTERM)
+
+    def park(self, ns: dict[str, Any], job: dict[str, Any], kernel: _Kernel) -> None:
+        from . import park
+
+        self.busy = True
+        try:
+            kernel.send({"type": "parked", **park.park(ns, job["dir"], job["to"])})
+        except BaseException as e:  # say why; the session's variables are gone
+            try:
+                kernel.send({"type": "park_failed", "error": f"{type(e).__name__}: {e}"})
+            except OSError:
+                pass  # the kernel is gone
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     session = "--session" in argv
@@ -294,13 +329,22 @@ def main(argv: list[str] | None = None) -> None:
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     kernel = _Kernel(ctrl, jobs)
     held = Held()
+    parking = _Parking(jobs)
+    if session:
+        _signal.signal(_signal.SIGTERM, parking.on_term)
     while True:
         job = held.wait(jobs)
         if job.get("type") == "stop":
             break
+        if job.get("type") == "park":
+            parking.park(ns, job, kernel)
+            break
+        if job.get("park"):
+            parking.target = job["park"]
         if job.get("type") == "reserve":  # memory for the next job's values, faulted in while this worker waits
             held.make(int(job["nbytes"]), int(job.get("heap") or 0), lambda: not jobs.empty())
             continue
+        parking.busy = True
         result = run_job(job, ns, kernel.ask, held.reserve)
         held.after_job()
         sys.stdout.flush()
@@ -312,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(0 if result["status"] == "ok" else 1)
         if job.get("kind") == "cell":
             ns.pop("__gpulease_call__", None)
+        parking.busy = False
     sys.stdout.flush()
     os._exit(0)
 

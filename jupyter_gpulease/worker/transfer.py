@@ -87,23 +87,60 @@ def _to_cpu(obj: Any) -> Any:
     return NotImplemented
 
 
-_PICKLER: Any = None
+def _keep_device(obj: Any) -> Any:
+    """A reduction that brings a tensor on a device to host memory and back onto that device when it is loaded
+    (``on_device``): a parked session's model returns to the GPU of its next lease."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        return on_device, (obj.detach().cpu(), str(obj.device), isinstance(obj, torch.nn.Parameter),
+                           bool(obj.requires_grad))
+    return NotImplemented
 
 
-def _pickler_class() -> Any:
-    global _PICKLER
-    if _PICKLER is None:
+def on_device(tensor: Any, device: str, parameter: bool, requires_grad: bool) -> Any:
+    """A parked tensor back on the device it was on. A worker sees only its lease's GPUs, numbered from 0, so
+    ``cuda:1`` is the lease's second GPU; a device this worker lacks (fewer GPUs, none) keeps the tensor in host
+    memory and says so once."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    try:
+        count = getattr(torch, kind).device_count() if kind != "cpu" else 0
+        target = device if index and int(index) < count else kind
+        moved = tensor.to(target) if count else None
+    except (AttributeError, RuntimeError, AssertionError):  # no such backend here, or it cannot start
+        moved = None
+    if moved is None:
+        if not _FELL_BACK:
+            sys.stderr.write(f"gpulease: this worker has no {device} device: parked tensors stay in host memory\n")
+        _FELL_BACK.append(device)
+        moved = tensor
+    if parameter:
+        return torch.nn.Parameter(moved, requires_grad=requires_grad)
+    return moved.requires_grad_(requires_grad) if requires_grad else moved
+
+
+_FELL_BACK: list[str] = []
+_REDUCERS = {False: _to_cpu, True: _keep_device}
+_PICKLERS: dict[bool, Any] = {}
+
+
+def _pickler_class(keep_devices: bool = False) -> Any:
+    """cloudpickle (notebook functions and classes by value) with tensors moved to the CPU (``keep_devices``:
+    and back onto their device when loaded)."""
+    cls = _PICKLERS.get(keep_devices)
+    if cls is None:
         import cloudpickle
 
-        class _Pickler(cloudpickle.Pickler):
-            """cloudpickle (notebook functions and classes by value) with tensors moved to the CPU."""
+        reduce = _REDUCERS[keep_devices]
 
+        class _Pickler(cloudpickle.Pickler):
             def reducer_override(self, obj: Any) -> Any:
-                reduced = _to_cpu(obj)
+                reduced = reduce(obj)
                 return super().reducer_override(obj) if reduced is NotImplemented else reduced
 
-        _PICKLER = _Pickler
-    return _PICKLER
+        cls = _PICKLERS[keep_devices] = _Pickler
+    return cls
 
 
 class _PlainPickler(pickle.Pickler):
@@ -123,14 +160,15 @@ def _trivial(value: Any) -> bool:
     return False
 
 
-def dumps(value: Any, directory: str | None = None, vm: bool = False) -> dict[str, Any]:
+def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devices: bool = False) -> dict[str, Any]:
     """Pickle ``value``; buffers of at least OOB_MIN_BYTES travel out of band.
 
     Plain data uses the standard pickler; anything else cloudpickle (by value for what the
     notebook or the cell defined). Returns a small, plainly picklable dict:
     ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``: the big buffers in one file
     in ``directory``. With ``vm`` they stay where they are instead: ``"vm": [(address, len)]``
-    says where, and ``"_hold"`` (to pop before sending) keeps them alive until they are copied.
+    says where, and ``"_hold"`` (to pop before sending) keeps them alive until they are copied. ``keep_devices``:
+    tensors on a GPU come back onto their device when loaded (see ``on_device``), not on the CPU.
     """
     big: list[pickle.PickleBuffer] = []
 
@@ -141,7 +179,7 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False) -> dict[st
         return True  # serialise in band
 
     f = io.BytesIO()
-    pickler = _PlainPickler if _trivial(value) else _pickler_class()
+    pickler = _PlainPickler if _trivial(value) and not keep_devices else _pickler_class(keep_devices)
     pickler(f, protocol=5, buffer_callback=keep).dump(value)
     out: dict[str, Any] = {"data": f.getvalue(), "file": None, "spans": []}
     if big:
@@ -159,18 +197,22 @@ def write_buffers(raws: list[memoryview], directory: str | None = None) -> tuple
     path = os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
     spans = []
     # readable by this user only (the values are the user's data); O_EXCL: never an existing file or link
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
-        off = 0
-        for raw in raws:
-            fh.write(raw)
-            spans.append((off, raw.nbytes))
-            off += raw.nbytes
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+            off = 0
+            for raw in raws:
+                fh.write(raw)
+                spans.append((off, raw.nbytes))
+                off += raw.nbytes
+    except BaseException:  # e.g. the directory is full: leave no half-written file behind
+        discard({"file": path})
+        raise
     return path, spans
 
 
-def loads(packed: dict[str, Any], buffers: list[Any] | None = None) -> Any:
+def loads(packed: dict[str, Any], buffers: list[Any] | None = None, keep_file: bool = False) -> Any:
     """The inverse of dumps, with the out-of-band ``buffers`` when they were copied here already;
-    otherwise the buffer file is mapped copy-on-write and removed at once."""
+    otherwise the buffer file is mapped copy-on-write and removed at once (``keep_file``: left in place)."""
     path = packed.get("file")
     if buffers is None and path:
         try:
@@ -178,7 +220,8 @@ def loads(packed: dict[str, Any], buffers: list[Any] | None = None) -> Any:
                 size = os.fstat(fh.fileno()).st_size
                 mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
         finally:
-            discard(packed)
+            if not keep_file:
+                discard(packed)
         view = memoryview(mm) if mm is not None else memoryview(b"")
         buffers = [view[off : off + n] for off, n in packed["spans"]]
     return pickle.loads(packed["data"], buffers=buffers or [])

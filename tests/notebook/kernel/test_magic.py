@@ -185,8 +185,11 @@ def test_two_kernels_compete_for_one_gpu(broker_factory, kernel_factory) -> None
 
 
 def test_session_keeps_its_worker_and_is_revoked_when_idle(broker_factory, kernel_factory) -> None:
+    """Without parking (GpuMagics.park_sessions = False) a revoked session's variables are gone; parking:
+    test_session_park.py."""
     b = broker_factory(gpus=2, args=["--tick=0.1", "--LeasePolicy.warn_before_seconds=1"], name="sess")
     k = kernel_factory(b)
+    k.run("%config GpuMagics.park_sessions = False")
     r1 = k.run("%%gpu --session m --idle 3s\nimport os\nmodel = [1, 2, 3]\nprint(os.getpid())")
     r2 = k.run("%%gpu --session m\nmodel.append(4)\nprint(os.getpid(), model)")
     assert r1.status == "ok" and r2.status == "ok", (r1.outputs, r2.outputs)
