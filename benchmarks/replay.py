@@ -7,6 +7,7 @@ the 790-burst trace and on a 30,020-burst synthetic month (the trace tiled 38 ti
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 from traitlets.config import Config
 
 from lease_broker.policy.lease_policy import LeasePolicy
-from lease_broker.replay import Cluster, compare, load_trace, replay, summarize, tile
+from lease_broker.replay import Cluster, compare, jitter, load_trace, replay, summarize, tile
 from lease_broker.replay.report import plot, pressure_plot
 from lease_broker.replay.sim import REGRANT_WINDOW
 from lease_broker.replay.trace import Trace
@@ -34,14 +35,75 @@ def _pct(x: float) -> float:
     return 100.0 * x
 
 
+def _policy(**conf: Any) -> LeasePolicy:
+    return LeasePolicy(config=Config(LeasePolicy=Config(**conf)))
+
+
+#: the default policy until pressure_idle_timeout_seconds became 60 s: the baseline of issue 22's figures
+OFF = _policy(pressure_idle_timeout_seconds=0.0)
+PRESSURE = LeasePolicy().pressure_idle_timeout_seconds
+
+
+def _jittered(trace: Trace, cluster: Cluster, policy: LeasePolicy, copies: int) -> list[dict[str, Any]]:
+    """The figures of ``copies`` jittered copies of the trace (``jitter``, seeds 0..copies-1) under ``policy``."""
+    return [summarize(replay(jitter(trace, seed), cluster, policy, mode="lease", idle=600)) for seed in range(copies)]
+
+
+def _median_p95(runs: list[dict[str, Any]], size: str) -> float:
+    return statistics.median(r["time_to_gpu_s"][size]["p95"] for r in runs)
+
+
+def default_policy(trace: Trace, copies: int) -> list[Figure]:
+    """Issue 22's bars on the contended 2x8 cluster with the default policy (a pressure idle timeout of
+    ``PRESSURE`` s) against the same replay with it off (the default until now); then the same over ``copies``
+    jittered copies of the trace (every session moved by up to ±30 min: the same work, other neighbours), so that
+    the comparison does not rest on the luck of one arrival order."""
+    cluster = Cluster(2, 8)
+    on, off = (summarize(replay(trace, cluster, pol, mode="lease", idle=600)) for pol in (LeasePolicy(), OFF))
+    t, o = on["time_to_gpu_s"], off["time_to_gpu_s"]
+    cmd = f"`{COMMAND.split(' --sweep')[0].format(cluster=cluster)} --idle 10m`"
+    base = "pressure idle timeout off (the default until now)"
+    other = (f"cold re-grants {on['cold_regrants']} (off: {off['cold_regrants']}: the cells of revoked sessions; a "
+             f"%%gpu --session is parked in host memory, not lost); 4-GPU p95 {t['4']['p95']:.0f} s (off: "
+             f"{o['4']['p95']:.0f} s); gang blocking {on['gang_block_gpu_s'] / 3600:.0f} GPU-h (off: "
+             f"{off['gang_block_gpu_s'] / 3600:.0f})")
+    figures = [
+        figure(f"held-but-idle GPU-time, {cluster}, idle 10m, default policy", "%", [_pct(on["reserved_idle_fraction"])],
+               base, [_pct(off["reserved_idle_fraction"])], bar=("median", "<=", 10.0),
+               note=f"{cmd} (the default policy: pressure_idle_timeout_seconds = {PRESSURE:g}); baseline: the same with "
+                    f"--config C, c.LeasePolicy.pressure_idle_timeout_seconds = 0. {other}."),
+        figure(f"time to GPU, 1-GPU cells, p95, {cluster}, idle 10m, default policy", "s", [t["1"]["p95"]], base,
+               [o["1"]["p95"]], bar=("median", "<=", 60.0),
+               note=f"the same runs; p50 {t['1']['p50']:.0f} s, p99 {t['1']['p99']:.0f} s over {t['1']['n']} cells."),
+        figure(f"time to GPU, 8-GPU requests, p95, {cluster}, idle 10m, default policy", "s", [t["8"]["p95"]], base,
+               [o["8"]["p95"]], bar=("median", "<=", o["8"]["p95"]),
+               note=f"the same runs; bar: no worse than with the pressure timeout off; {t['8']['n']} requests."),
+    ]
+    runs = {"on": _jittered(trace, cluster, LeasePolicy(), copies), "off": _jittered(trace, cluster, OFF, copies)}
+    how = (f"{copies} copies of the trace, every session moved by its own random offset within ±30 min "
+           "(lease_broker.replay.jitter, seeds 0..{n}); one sample per copy; baseline: the same copies with the "
+           "pressure timeout off.").replace("{n}", str(copies - 1))
+    for name, unit, get in (
+        ("held-but-idle GPU-time", "%", lambda r: _pct(r["reserved_idle_fraction"])),
+        ("time to GPU, 1-GPU cells, p95", "s", lambda r: r["time_to_gpu_s"]["1"]["p95"]),
+        ("time to GPU, 8-GPU requests, p95", "s", lambda r: r["time_to_gpu_s"]["8"]["p95"]),
+        ("cold re-grants", "re-grants", lambda r: r["cold_regrants"]),
+    ):
+        on_s, off_s = [get(r) for r in runs["on"]], [get(r) for r in runs["off"]]
+        better = sum(1 for a, b in zip(on_s, off_s, strict=True) if a <= b)
+        figures.append(figure(f"{name}, {cluster}, idle 10m, default policy, {copies} jittered copies", unit, on_s,
+                              base, off_s, note=f"{how} No worse than the baseline in {better} of {copies} copies."))
+    return figures
+
+
 def pressure_sweep(trace: Trace, pressures: list[float], draw: bool) -> list[Figure]:
     """The contended 2x8 cluster with ``pressure_idle_timeout_seconds`` against the same replay without it; with
     ``draw``, the trade-off plot over the sweep (docs/images)."""
     cluster = Cluster(2, 8)
-    off = summarize(replay(trace, cluster, mode="lease", idle=600))
+    off = summarize(replay(trace, cluster, OFF, mode="lease", idle=600))
     figures, runs = [], [("off", off)]
     for p in pressures:
-        policy = LeasePolicy(config=Config(LeasePolicy=Config(pressure_idle_timeout_seconds=p)))
+        policy = _policy(pressure_idle_timeout_seconds=p)
         s = summarize(replay(trace, cluster, policy, mode="lease", idle=600))
         runs.append((f"{p:g} s", s))
         t, o = s["time_to_gpu_s"], off["time_to_gpu_s"]
@@ -66,8 +128,7 @@ def warm_regrants(trace: Trace) -> list[Figure]:
     ``warm_regrant_seconds``) against the same replay with them off (issue 22)."""
     cluster = Cluster(2, 8)
     on = summarize(replay(trace, cluster, mode="lease", idle=600))
-    policy = LeasePolicy(config=Config(LeasePolicy=Config(warm_regrant_seconds=0.0)))
-    off = summarize(replay(trace, cluster, policy, mode="lease", idle=600))
+    off = summarize(replay(trace, cluster, _policy(warm_regrant_seconds=0.0), mode="lease", idle=600))
     window = LeasePolicy().warm_regrant_seconds
     return [figure(
         f"cold re-grants, {cluster}, idle 10m, warm re-grants within {window:g} s", "re-grants", [on["cold_regrants"]],
@@ -90,8 +151,8 @@ def learned_pauses(trace: Trace, pressures: list[float]) -> list[Figure]:
     for p in pressures:
         runs = []
         for learns in (True, False):
-            conf = Config(LeasePolicy=Config(pressure_idle_timeout_seconds=p, pressure_learns_pauses=learns))
-            runs.append(summarize(replay(trace, cluster, LeasePolicy(config=conf), mode="lease", idle=600)))
+            pol = _policy(pressure_idle_timeout_seconds=p, pressure_learns_pauses=learns)
+            runs.append(summarize(replay(trace, cluster, pol, mode="lease", idle=600)))
         (s, t), (o, u) = ((r, r["time_to_gpu_s"]) for r in runs)
         figures.append(figure(
             f"cold re-grants, {cluster}, idle 10m, pressure idle timeout {p:g} s, learning pauses", "re-grants",
@@ -106,27 +167,33 @@ def learned_pauses(trace: Trace, pressures: list[float]) -> list[Figure]:
     return figures
 
 
-def small_first_sweep(trace: Trace, settings: list[tuple[float, float]]) -> list[Figure]:
+def small_first_sweep(trace: Trace, settings: list[tuple[float, float]], copies: int) -> list[Figure]:
     """The contended 2x8 cluster with small requests first (``small_first_gpus=1``) for each (``small_first_timeout``,
-    ``pressure_idle_timeout_seconds``) of ``settings``, against today's default policy in the same run (issue 22)."""
+    ``pressure_idle_timeout_seconds``) of ``settings``, against the default policy in the same run (issue 22); the
+    note adds the median p95 waits over ``copies`` jittered copies of the trace."""
     cluster = Cluster(2, 8)
     off = summarize(replay(trace, cluster, mode="lease", idle=600))
     o = off["time_to_gpu_s"]
+    base = _jittered(trace, cluster, LeasePolicy(), copies)
     figures = []
     for timeout, pressure in settings:
         conf = {"small_first_gpus": 1, "small_first_timeout": timeout, "pressure_idle_timeout_seconds": pressure}
-        s = summarize(replay(trace, cluster, LeasePolicy(config=Config(LeasePolicy=Config(**conf))), mode="lease",
-                             idle=600))
+        s = summarize(replay(trace, cluster, _policy(**conf), mode="lease", idle=600))
         t = s["time_to_gpu_s"]
+        moved = _jittered(trace, cluster, _policy(**conf), copies)
+        robust = (f" Over {copies} jittered copies of the trace (medians of the p95s): 1-GPU "
+                  f"{_median_p95(moved, '1'):.0f} s (default: {_median_p95(base, '1'):.0f} s), 8-GPU "
+                  f"{_median_p95(moved, '8'):.0f} s (default: {_median_p95(base, '8'):.0f} s), 4-GPU "
+                  f"{_median_p95(moved, '4'):.0f} s (default: {_median_p95(base, '4'):.0f} s).")
         figures.append(figure(
             f"time to GPU, 1-GPU cells, p95, {cluster}, idle 10m, small first (timeout {timeout / 3600:g} h), "
-            f"pressure idle timeout {pressure:g} s", "s", [t["1"]["p95"]], "today's default policy, same run", [o["1"]["p95"]],
+            f"pressure idle timeout {pressure:g} s", "s", [t["1"]["p95"]], "the default policy, same run", [o["1"]["p95"]],
             note=f"`{COMMAND.split(' --sweep')[0].format(cluster=cluster)} --idle 10m --config C` with "
                  + ", ".join(f"c.LeasePolicy.{k} = {v:g}" for k, v in conf.items())
                  + f". Held-but-idle {_pct(s['reserved_idle_fraction']):.2f} % (default: "
                  f"{_pct(off['reserved_idle_fraction']):.2f} %); 8-GPU p95 {t['8']['p95']:.0f} s (default: "
                  f"{o['8']['p95']:.0f} s); 4-GPU p95 {t['4']['p95']:.0f} s (default: {o['4']['p95']:.0f} s); cold "
-                 f"re-grants {s['cold_regrants']} (default: {off['cold_regrants']}).",
+                 f"re-grants {s['cold_regrants']} (default: {off['cold_regrants']}).{robust}",
         ))
     return figures
 
@@ -134,32 +201,33 @@ def small_first_sweep(trace: Trace, settings: list[tuple[float, float]]) -> list
 def contended_month(quick: bool) -> list[Figure]:
     """Issue 22's policies on a synthetic month at offered load 0.9 of 2x8 (``overload_trace``: Poisson arrivals
     with a daily cycle, heavy-tailed durations, 1/4/8-GPU jobs, 60 Zipf users; each job one burst, so a lease's
-    idle linger is all its held-but-idle time): today's default policy against pressure and small-first, same run."""
+    idle linger is all its held-but-idle time): the default policy and small-first against the pressure timeout
+    off, same run."""
     cluster = Cluster(2, 8)
     jobs, days = (300, 3.0) if quick else (3000, 30.0)
     with tempfile.TemporaryDirectory() as tmp:
         trace = load_trace(generate(Path(tmp) / "month.csv", jobs=jobs, days=days, gpus_total=cluster.total,
                                     load=0.9))
-    off = summarize(replay(trace, cluster, mode="lease", idle=600))
+    off = summarize(replay(trace, cluster, OFF, mode="lease", idle=600))
     o = off["time_to_gpu_s"]
     cmd = (f"python -m benchmarks.overload_trace month.csv --jobs {jobs} --days {days:g} --gpus {cluster.total} "
            f"--load 0.9 && gpulease replay month.csv --cluster {cluster} --idle 10m")
-    settings = [{"pressure_idle_timeout_seconds": 120.0},
-                {"small_first_gpus": 1, "small_first_timeout": 3600.0, "pressure_idle_timeout_seconds": 120.0}]
+    settings: list[dict[str, float]] = [{}, {"small_first_gpus": 1, "small_first_timeout": 3600.0}]
     figures = []
     for conf in settings:
-        s = summarize(replay(trace, cluster, LeasePolicy(config=Config(LeasePolicy=Config(**conf))), mode="lease",
-                             idle=600))
+        s = summarize(replay(trace, cluster, _policy(**conf), mode="lease", idle=600))
         t = s["time_to_gpu_s"]
-        what = ", ".join(f"{k} {v:g}" for k, v in conf.items())
+        what = ", ".join(f"{k} {v:g}" for k, v in conf.items()) or f"default policy (pressure {PRESSURE:g} s)"
         figures.append(figure(
             f"contended month (load 0.9, {cluster}): held-but-idle GPU-time, {what}", "%",
-            [_pct(s["reserved_idle_fraction"])], "today's default policy, same run", [_pct(off["reserved_idle_fraction"])],
-            note=f"`{cmd} --config C` with " + ", ".join(f"c.LeasePolicy.{k} = {v:g}" for k, v in conf.items())
-                 + f". {s['gpu_bursts']} jobs. Time to GPU p95: 1-GPU {t['1']['p95']:.0f} s (default: "
-                 f"{o['1']['p95']:.0f} s), 4-GPU {t['4']['p95']:.0f} s (default: {o['4']['p95']:.0f} s), 8-GPU "
-                 f"{t['8']['p95']:.0f} s (default: {o['8']['p95']:.0f} s); allocation {_pct(s['allocation']):.1f} % "
-                 f"(default: {_pct(off['allocation']):.1f} %); cold re-grants {s['cold_regrants']} (default: "
+            [_pct(s["reserved_idle_fraction"])], "pressure idle timeout off (the default until now), same run",
+            [_pct(off["reserved_idle_fraction"])],
+            note=f"`{cmd}" + ("` (the default policy)" if not conf else " --config C` with "
+                              + ", ".join(f"c.LeasePolicy.{k} = {v:g}" for k, v in conf.items()))
+                 + f". {s['gpu_bursts']} jobs. Time to GPU p95: 1-GPU {t['1']['p95']:.0f} s (off: "
+                 f"{o['1']['p95']:.0f} s), 4-GPU {t['4']['p95']:.0f} s (off: {o['4']['p95']:.0f} s), 8-GPU "
+                 f"{t['8']['p95']:.0f} s (off: {o['8']['p95']:.0f} s); allocation {_pct(s['allocation']):.1f} % "
+                 f"(off: {_pct(off['allocation']):.1f} %); cold re-grants {s['cold_regrants']} (off: "
                  f"{off['cold_regrants']}).",
         ))
     return figures
@@ -232,11 +300,13 @@ def run(opts: Any) -> list[Figure]:
                      f"(baseline {_pct(base['allocation']):.1f} %); Jain {s['fairness_jain']:.3f} "
                      f"(baseline {base['fairness_jain']:.3f}).",
             ))
+    figures += default_policy(trace, 4 if quick else 16)
     figures += warm_regrants(trace)
     figures += pressure_sweep(trace, [60.0] if quick else [30.0, 60.0, 120.0, 300.0], not quick)
-    figures += learned_pauses(trace, [120.0] if quick else [60.0, 120.0, 300.0])
-    figures += small_first_sweep(trace, [(3600.0, 0.0)] if quick else
-                                 [(3600.0, 0.0), (3600.0, 120.0), (43200.0, 120.0), (172800.0, 120.0)])
+    figures += learned_pauses(trace, [60.0] if quick else [60.0, 120.0, 300.0])
+    figures += small_first_sweep(trace, [(3600.0, PRESSURE)] if quick else
+                                 [(3600.0, PRESSURE), (43200.0, PRESSURE), (172800.0, PRESSURE), (172800.0, 30.0)],
+                                 4 if quick else 16)
     figures += estimates(trace)
     figures += contended_month(quick)
     reps = 1 if quick else 3

@@ -108,8 +108,10 @@ SESSIONS = [
     new_markdown_cell(
         "# A warm session across cells\n\n"
         "`%%gpu --session NAME` keeps one leased worker across cells, so a model stays loaded on the GPU. "
-        "When the session has been idle for its idle timeout, the broker revokes it (with a warning first); "
-        "`%gpu session stop NAME` gives the GPU back at once."
+        "When the session has been idle for its idle timeout (or sooner while others wait for GPUs), the broker "
+        "ends its lease (with a warning first) and the session is *parked*: its variables go to host memory, "
+        "the GPU to whoever waits, and the session's next cell gets a GPU and its variables back. "
+        "`%gpu session park NAME` does that now; `%gpu session stop NAME` ends the session."
     ),
     new_code_cell("%load_ext jupyter_gpulease"),
     new_code_cell(
@@ -124,6 +126,11 @@ SESSIONS = [
         "print('same worker', os.getpid(), 'score', round(score, 2))"
     ),
     new_code_cell("print('score in the kernel:', round(score, 2))\n%gpu sessions"),
+    new_code_cell("%gpu session park model\n%gpu sessions"),
+    new_code_cell(
+        "%%gpu --session model\n"
+        "print('new worker', os.getpid(), 'same model', model.shape)"
+    ),
     new_code_cell("%gpu session stop model"),
 ]
 

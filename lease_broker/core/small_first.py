@@ -10,7 +10,8 @@ wait without delaying the gangs: a gang starts when a whole node frees, which sm
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 
 from .pass_types import Pending, SchedulerPolicy
 
@@ -36,6 +37,24 @@ def small_first(pending: Iterable[Pending], policy: SchedulerPolicy, now: float)
         keyed.append((-rank, not first, i, p))
     keyed.sort(key=lambda k: k[:3])
     return [k[3] for k in keyed]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pressure:
+    """What waiting requests press idle leases with (``manager.enforcer``): the GPUs the first request of a pass
+    needs (``small_need``), the GPUs it may get (None: any; a GPU type or memory narrows them), and how many of
+    those are free on each node."""
+
+    need: int
+    free: Mapping[str, int]
+    usable: frozenset[str] | None = None
+
+    def serves(self, devices: Sequence[str], node: str) -> bool:
+        """Whether a lease's GPUs (``devices``, on ``node``) would serve that request, with its node's free ones:
+        a lease on GPUs it may not get is not pressed (an idle A100 lease stays while an H100 request waits)."""
+        if self.usable is not None and not self.usable.issuperset(devices):
+            return False
+        return len(devices) + self.free.get(node, 0) >= self.need
 
 
 def small_need(head: Pending, smallest: int | None, small_gpus: int, timeout: float, now: float) -> int:

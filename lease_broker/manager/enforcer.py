@@ -15,10 +15,11 @@ from typing import Protocol
 from ..core.clock import Clock
 from ..core.errors import BadRequest, Forbidden
 from ..core.gpu import GpuSample
+from ..core.gpufit import constrained, fits
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
 from ..core.slots import SlotIndex
-from ..core.small_first import small_need
+from ..core.small_first import Pressure, small_need
 from ..host.procs import ProcInfo, children_map, is_descendant, proc_info, signal_group
 from ..policy.lease_policy import LeasePolicy
 from .events import EventBus
@@ -60,7 +61,7 @@ class Enforcer:
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
         self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
         self.pauses: dict[str, list[float]] = {}  # lease -> its last idle pauses that ended in activity
-        self.pressure: tuple[int, dict[str, int]] | None = None  # as of the last tick (see _pressure)
+        self.pressure: Pressure | None = None  # as of the last tick (see _pressure)
         self.closed: dict[str, str] = {}  # gpu -> why, as an engine closed it (a subset of unhealthy)
         self.watch = GpuWatch(state, ops, policy, events, clock, self)
 
@@ -188,11 +189,17 @@ class Enforcer:
                 warned.add("expiry")
                 self._warn(lease, "expiry", lease.expires_at)
 
-    def _pressure(self, now: float) -> tuple[int, dict[str, int]] | None:
-        """(the GPUs the first request of a pass needs, free GPUs per node) while requests wait; else None. The
-        first request, not any waiting one: GPUs freed for a request behind a gang would go to the gang's
-        reservation (on the 2x8 replay, revoking for any waiting request made the 1-GPU p95 wait 14 times
-        longer). With small_first_gpus, a small request goes before a bigger head (``small_first.small_need``)."""
+    def pressure_now(self, now: float) -> Pressure | None:
+        """The pressure as the queue stands now (the tick's is as it stood then): for an estimate made the moment a
+        request queues, when that request already presses (``idle_timeout_under``)."""
+        return self._pressure(now)
+
+    def _pressure(self, now: float) -> Pressure | None:
+        """What the first request of a pass needs, while requests wait; else None. The first request, not any
+        waiting one: GPUs freed for a request behind a gang would go to the gang's reservation (on the 2x8 replay,
+        revoking for any waiting request made the 1-GPU p95 wait 14 times longer). With small_first_gpus, a small
+        request goes before a bigger head (``small_first.small_need``: then only its size is known). A head that
+        names a GPU type or memory presses only the leases on GPUs it may get."""
         if not self.policy.pressure_idle_timeout_seconds:
             return None
         head = self.state.queue.head(1)
@@ -201,23 +208,32 @@ class Enforcer:
         pol = self.policy
         need = small_need(head[0], self.state.queue.smallest_need(), pol.small_first_gpus, pol.small_first_timeout,
                           now)
+        req = head[0].request
+        usable = None
+        if constrained(req) and need == (1 if req.shared else req.min_gpus):
+            aliases = pol.gpu_type_aliases()
+            usable = frozenset(g.id for g in self.state.gpus if fits(g, req, aliases))
         busy, blocked = self.state.table.busy, self.draining.keys() | self.unhealthy
         free: dict[str, int] = {}
         for g in self.state.gpus:
-            if g.id not in busy and g.id not in blocked:
+            if g.id not in busy and g.id not in blocked and (usable is None or g.id in usable):
                 free[g.node] = free.get(g.node, 0) + 1
-        return need, free
+        return Pressure(need, free, usable)
 
     def idle_timeout(self, lease: Lease) -> tuple[float, bool]:
-        """The lease's idle timeout as of the last tick, and whether it is the pressure one: the request at the
+        """The lease's idle timeout as of the last tick, and whether it is the pressure one (``idle_timeout_under``
+        the tick's pressure)."""
+        return self.idle_timeout_under(lease, self.pressure)
+
+    def idle_timeout_under(self, lease: Lease, pressure: Pressure | None) -> tuple[float, bool]:
+        """The lease's idle timeout under ``pressure``, and whether it is the pressure one: the request at the
         head of the queue would fit on this lease's GPUs with the free GPUs of its node (then
         ``pressure_idle_timeout_seconds``, or with ``pressure_learns_pauses`` the median of the holder's last
         pauses if longer; never above the lease's own timeout)."""
-        own, short, pressure = lease.idle_timeout_seconds, self.policy.pressure_idle_timeout_seconds, self.pressure
+        own, short = lease.idle_timeout_seconds, self.policy.pressure_idle_timeout_seconds
         if pressure is None or not own or short >= own:
             return own, False
-        need, free = pressure
-        if len(lease.devices) + free.get(lease.node, 0) < need:
+        if not pressure.serves(lease.devices, lease.node):
             return own, False
         short = max(short, self.usual_pause(lease))  # so that a notebook between its cells keeps its GPU
         if short >= own:

@@ -17,6 +17,7 @@ from ..core.estimate import INF, Ends, History, Need, Span, holder_end, starts
 from ..core.gpufit import constrained, fits
 from ..core.lease import Lease, LeaseRequest, LeaseState
 from ..core.scheduler import Pending
+from ..core.small_first import Pressure
 from ..policy.lease_policy import LeasePolicy
 from .state import LiveState
 
@@ -35,7 +36,9 @@ class Holders(Protocol):
     @property
     def unhealthy(self) -> Mapping[str, object]: ...
 
-    def idle_timeout(self, lease: Lease) -> tuple[float, bool]: ...
+    def idle_timeout_under(self, lease: Lease, pressure: Pressure | None) -> tuple[float, bool]: ...
+
+    def pressure_now(self, now: float) -> Pressure | None: ...
 
 
 def history_keys(user: str, labels: Mapping[str, str], size: float) -> tuple[Hashable, ...]:
@@ -53,6 +56,7 @@ class Estimates:
         self.history = History()
         self._nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (the GPU list, node -> its GPU ids)
         self._last: tuple[float, tuple[str, ...], dict[str, Span]] = (-INF, (), {})  # the last walk of the head
+        self._pressure: Pressure | None = None  # the pressure as the last walk found it (``Enforcer.pressure_now``)
 
     def ended(self, lease: Lease) -> None:
         """A lease ended: how long it held its GPUs joins the history (not a request that never got any)."""
@@ -91,6 +95,7 @@ class Estimates:
             for g in self.state.gpus:
                 nodes.setdefault(g.node, []).append(g.id)
             self._nodes = (self.state.gpus, nodes)
+        self._pressure = self.holders.pressure_now(now)  # a request that has just queued presses already
         ends = _Ends(self, now)
         queue = [Need(1 if p.request.shared else p.request.min_gpus, p.request.locality, self._duration(p, ends),
                       str(p.seq), self._only(p.request)) for p in pending]
@@ -114,7 +119,7 @@ class Estimates:
         """When a holding lease will likely end (``core.estimate.holder_end``); ``running``: how long the holding
         leases of each history key have run (``History.remaining``)."""
         idle_deadline = None
-        timeout = self.holders.idle_timeout(lease)[0] if lease.idle_timeout_seconds else 0.0
+        timeout = self.holders.idle_timeout_under(lease, self._pressure)[0] if lease.idle_timeout_seconds else 0.0
         if timeout and (lease.state == LeaseState.IDLE or now - lease.last_activity >= self.policy.idle_mark_seconds):
             idle_deadline = lease.last_activity + timeout
         granted = lease.granted_at if lease.granted_at is not None else now

@@ -62,13 +62,14 @@ class LeasePolicy(LimitsPolicy, Configurable):
         help="Seconds before an idle revocation or an expiry at which the holder is warned. Example: 60.",
     )
     pressure_idle_timeout_seconds = Float(
-        0.0,
+        60.0,
         config=True,
         help="Idle timeout in seconds while the request at the head of the queue (with small_first_gpus, a small "
-        "request that goes before it) would fit on an idle lease's GPUs (with the free GPUs of its node): the lease is warned and revoked after this long without "
-        "activity instead of its own idle timeout (never later than that; with no one waiting the lease's "
-        "own timeout holds): the floor below which waiting requests never push an idle lease. 0 = off. "
-        "Example: 60.",
+        "request that goes before it) would fit on an idle lease's GPUs (with the free GPUs of its node): the "
+        "lease is warned and revoked after this long without activity instead of its own idle timeout (never "
+        "later than that; with no one waiting the lease's own timeout holds): the floor below which waiting "
+        "requests never push an idle lease. A revoked %%gpu --session is parked in host memory, not lost. "
+        "0 = off. Example: 120.",
     )
     pressure_learns_pauses = Bool(
         False,

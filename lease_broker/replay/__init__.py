@@ -11,9 +11,9 @@ from .metrics import compare, jain, percentile, summarize
 from .model import Cluster, Run
 from .policy import load_policy
 from .run import replay
-from .trace import Burst, Session, Trace, TraceError, load_bursts, load_sessions, load_trace, tile
+from .trace import Burst, Session, Trace, TraceError, jitter, load_bursts, load_sessions, load_trace, tile
 
 __all__ = [
     "Burst", "Cluster", "Run", "Session", "Trace", "TraceError", "compare", "jain", "load_bursts", "load_policy",
-    "load_sessions", "load_trace", "percentile", "replay", "summarize", "tile",
+    "jitter", "load_sessions", "load_trace", "percentile", "replay", "summarize", "tile",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -194,3 +195,22 @@ def tile(trace: Trace, copies: int, shift: float | None = None) -> Trace:
             sessions.append(dataclasses.replace(s, id=s.id + sfx, user=s.user + sfx if s.user else "",
                                                 start=s.start + off, stop=s.stop + off))
     return dataclasses.replace(trace, bursts=tuple(bursts), sessions=tuple(sessions), name=f"{trace.name} x{copies}")
+
+
+def jitter(trace: Trace, seed: int, shift: float = 1800.0) -> Trace:
+    """A copy of the trace with every session moved by its own random offset within ±``shift`` seconds (its bursts
+    with it; a burst without a session by its own), kept at or after 0: the same work meeting different neighbours,
+    to tell a policy's effect from the luck of one arrival order. ``seed`` makes it repeatable."""
+    rng = random.Random(seed)
+    offsets = {s.id: rng.uniform(-shift, shift) for s in trace.sessions}
+
+    def moved(t: float, key: str) -> float:
+        if key not in offsets:
+            offsets[key] = rng.uniform(-shift, shift)
+        return max(0.0, t + offsets[key])
+
+    sessions = tuple(dataclasses.replace(s, start=moved(s.start, s.id), stop=moved(s.stop, s.id))
+                     for s in trace.sessions)
+    bursts = tuple(dataclasses.replace(b, start=moved(b.start, b.session or f"#{b.line}:{b.start}"))
+                   for b in trace.bursts)
+    return dataclasses.replace(trace, bursts=bursts, sessions=sessions, name=f"{trace.name} jitter {seed}")

@@ -39,7 +39,7 @@ def run_cells(m, clock, who, seconds, labels=None, times=4):
 
 
 def test_a_queued_request_waits_for_an_idle_holder_to_reach_its_idle_deadline(make):
-    m, clock = make()
+    m, clock = make(pressure_idle_timeout_seconds=0)
     held, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": 8 * 3600})
     queued, _ = m.request(BOB, {"gpus": 1})
     clock.advance(120)  # alice does nothing with it: idle since the grant
@@ -48,6 +48,20 @@ def test_a_queued_request_waits_for_an_idle_holder_to_reach_its_idle_deadline(ma
     assert view["estimated_start"] == deadline  # not the 8 h time limit
     assert view["estimated_start_range"] == [deadline, deadline]  # known: no spread
     assert m.state.planned[queued.id] == held.expires_at  # the time-limit plan, for comparison
+
+
+def test_a_request_that_just_queued_presses_the_idle_holder_in_its_own_estimate(make):
+    """No tick has run since bob queued, so the enforcer's pressure is still none; the estimate counts the
+    pressure bob's request makes (2 minutes here), not alice's own 10-minute idle timeout."""
+    m, clock = make(pressure_idle_timeout_seconds=120)
+    held, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": 8 * 3600})
+    clock.advance(40)  # idle for longer than idle_mark_seconds: the estimate goes by its idle deadline
+    queued, _ = m.request(BOB, {"gpus": 1})
+    assert m.enforcer.pressure is None  # as of the last tick
+    assert m.view(queued, BOB)["estimated_start"] == held.last_activity + 120
+    assert m.view(held, ALICE)["idle_deadline"] == held.last_activity + 600  # the holder's view: as the tick saw it
+    m.tick()
+    assert m.view(held, ALICE)["idle_deadline"] == held.last_activity + 120
 
 
 def test_a_running_holder_is_expected_to_run_as_long_as_similar_cells_did(make):
@@ -103,7 +117,7 @@ def test_the_queue_carries_every_head_requests_range_and_events_carry_the_plan(m
 
 
 def test_a_gang_estimate_needs_its_gpus_on_one_node(make):
-    m, clock = make(gpus=4, nodes=2)
+    m, clock = make(gpus=4, nodes=2, pressure_idle_timeout_seconds=0)
     small, _ = m.request(ALICE, {"gpus": 1, "idle_timeout_seconds": 300})  # node 0, idle until +300
     big, _ = m.request(ALICE, {"gpus": 2, "idle_timeout_seconds": 900})  # node 1, idle until +900
     gang, _ = m.request(BOB, {"gpus": 2})
@@ -140,10 +154,15 @@ def test_the_time_limit_bounds_a_holder_until_it_was_renewed(make):
 def test_a_request_for_a_gpu_type_waits_for_a_gpu_of_that_type():
     clock = VirtualClock()
     m = LeaseManager(Store(":memory:"), SimulatedInventory(cluster="1x1:A100-40GB,1x1:H100"),
-                     LeasePolicy(heartbeat_timeout=0.0, default_idle_timeout_seconds=600.0), clock=clock)
+                     LeasePolicy(heartbeat_timeout=0.0, default_idle_timeout_seconds=600.0,
+                                 pressure_idle_timeout_seconds=200.0), clock=clock)
     m.restore()
     h100, _ = m.request(ALICE, {"gpus": 1, "gpu_type": "H100", "idle_timeout_seconds": 900})
     a100, _ = m.request(ALICE, {"gpus": 1, "gpu_type": "A100", "idle_timeout_seconds": 300})
     queued, _ = m.request(BOB, {"gpus": 1, "gpu_type": "H100"})
-    clock.advance(60)
-    assert m.view(queued, BOB)["estimated_start"] == h100.last_activity + 900  # not the A100's +300
+    clock.advance(40)
+    # the H100 lease is pressed by bob's request (200 s), the A100 lease is not: bob cannot use its GPU
+    assert m.view(queued, BOB)["estimated_start"] == h100.last_activity + 200  # not the A100's +300
+    m.tick()
+    assert m.view(a100, ALICE)["idle_deadline"] == a100.last_activity + 300
+    assert m.view(h100, ALICE)["idle_deadline"] == h100.last_activity + 200

@@ -48,7 +48,10 @@ def config(tmp_path: Path, hook: WebhookReceiver, smtp: SmtpReceiver | None = No
 
 
 def test_a_queued_request_granted_is_told_by_webhook_and_mail(broker_factory, tmp_path, hook, smtp) -> None:
-    b = broker_factory(gpus=1, args=["--tick=0.1", config(tmp_path, hook, smtp)])
+    # the first lease sits idle while the second waits: the pressure idle timeout would warn its holder (a
+    # notification of its own, see test_pressure_warning_is_told); here only the grant is news
+    b = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.pressure_idle_timeout_seconds=0",
+                                     config(tmp_path, hook, smtp)])
     c = b.client()
     first = c.request_lease(1, heartbeat=False)
     second = c.request_lease(1, heartbeat=False, labels={"notebook": "train.ipynb", "cell": "3"})
@@ -72,6 +75,21 @@ def test_a_queued_request_granted_is_told_by_webhook_and_mail(broker_factory, tm
 def cli(b, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", "--broker", f"unix://{b.socket}", *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def test_pressure_warning_is_told(broker_factory, tmp_path, hook) -> None:
+    """The default policy's pressure idle timeout: when a request waits for the GPU of an idle lease, its holder is
+    warned at once (webhook) and the lease is revoked a minute after its last activity."""
+    b = broker_factory(gpus=1, args=["--tick=0.1", config(tmp_path, hook)])
+    c = b.client()
+    first = c.request_lease(1, heartbeat=False)
+    assert hook.received == []  # no one waits: no warning
+    c.request_lease(1, heartbeat=False)
+    wait_for(lambda: hook.received, timeout=15)
+    body = hook.received[0]
+    assert body["kind"] == "warning" and body["lease_id"] == first.id
+    assert "idle" in body["text"] and "Use the GPU" in body["text"]
+    assert c.lease(first.id).idle_deadline <= first.granted_at + 61
 
 
 def test_each_user_chooses_what_to_be_told_with_gpulease_notify(broker_factory, tmp_path, hook) -> None:

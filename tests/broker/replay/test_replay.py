@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,10 +10,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from traitlets.config import Config
 
 from benchmarks.overload_trace import generate
 from lease_broker.core.lease import LeaseState
-from lease_broker.replay import Cluster, TraceError, jain, load_policy, load_trace, percentile, replay, summarize, tile
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.replay import (
+    Cluster,
+    TraceError,
+    jain,
+    jitter,
+    load_policy,
+    load_trace,
+    percentile,
+    replay,
+    summarize,
+    tile,
+)
 from lease_broker.replay.accuracy import score
 from lease_broker.replay.cli import main as replay_main
 from lease_broker.replay.report import describe
@@ -194,6 +208,24 @@ def test_tile_shifts_copies_with_distinct_sessions(one_session):
     assert t.bursts[len(one_session.bursts)].start == one_session.span
 
 
+def test_jitter_moves_each_session_with_its_bursts_repeatably(tmp_path):
+    bursts = tmp_path / "b.csv"
+    bursts.write_text("session_id,burst,start_s,duration_s,num_gpus\n"
+                      "a,0,4000,60,1\na,1,4300,60,1\nb,0,5000,60,2\n,0,6000,60,1\n")
+    sessions = tmp_path / "s.csv"
+    sessions.write_text("session_id,start_s,stop_s,max_gpus\na,3900,4500,1\nb,4900,5200,2\n")
+    trace = load_trace(bursts, sessions)
+    one, again, other = jitter(trace, 1, 600), jitter(trace, 1, 600), jitter(trace, 2, 600)
+    assert one == dataclasses.replace(again, name=one.name) and one.bursts != other.bursts
+    by = {(b.session, b.start - o.start) for b, o in zip(one.bursts, trace.bursts, strict=True)}
+    shift = {s: d for s, d in by}
+    assert len(by) == len(shift) == 3, "a session's bursts move together; the lone burst by itself"
+    assert all(abs(d) <= 600 for d in shift.values())
+    a = next(s for s in one.sessions if s.id == "a")
+    assert a.start - 3900 == shift["a"] and a.stop - 4500 == shift["a"]
+    assert [b.gpus for b in one.bursts] == [b.gpus for b in trace.bursts]
+
+
 @pytest.mark.skipif(not NOTEBOOK_BURSTS.exists(), reason=f"{NOTEBOOK_BURSTS} is not on this machine")
 def test_notebook_trace_structural_sanity():
     trace = load_trace(NOTEBOOK_BURSTS, NOTEBOOK_SESSIONS)
@@ -366,8 +398,10 @@ def test_score_of_estimates_against_waits():
 
 
 def test_replay_scores_the_estimate_each_queued_request_was_told(one_waits):
-    assert replay(one_waits, Cluster(1, 1), mode="lease", idle=600).told == []  # not asked: no cost
-    run = replay(one_waits, Cluster(1, 1), mode="lease", idle=600, estimates=True)
+    # a's lease lingers its whole idle timeout while b waits: the pressure idle timeout off
+    calm = LeasePolicy(config=Config(LeasePolicy=Config(pressure_idle_timeout_seconds=0)))
+    assert replay(one_waits, Cluster(1, 1), calm, mode="lease", idle=600).told == []  # not asked: no cost
+    run = replay(one_waits, Cluster(1, 1), calm, mode="lease", idle=600, estimates=True)
     (told,) = run.told  # b queued; a was granted at once
     assert told.lease.user == "b" and told.lease.created_at == told.lease.granted_at - 650  # a: 100 + 600 idle
     assert told.planned == told.lease.created_at + 710  # a's time limit: burst + idle + 60 s slack

@@ -36,9 +36,11 @@ def test_a_cell_goes_before_a_gang_that_waits_for_the_node(tmp_path):
 
 
 def test_notebook_trace_on_2x8_no_size_waits_longer_than_with_the_default():
+    """Small first alone (the pressure idle timeout off in both runs, so that only the queue order differs)."""
     trace = load_trace(TRACES / "notebook_bursts.csv", TRACES / "notebook_sessions.csv")
-    today = summarize(replay(trace, Cluster(2, 8), mode="lease", idle=600))
-    small = summarize(replay(trace, Cluster(2, 8), policy(small_first_gpus=1), mode="lease", idle=600))
+    today = summarize(replay(trace, Cluster(2, 8), policy(pressure_idle_timeout_seconds=0), mode="lease", idle=600))
+    small = summarize(replay(trace, Cluster(2, 8), policy(small_first_gpus=1, pressure_idle_timeout_seconds=0),
+                             mode="lease", idle=600))
     t, s = today["time_to_gpu_s"], small["time_to_gpu_s"]
     assert s["1"]["p95"] < t["1"]["p95"] and s["1"]["p99"] < t["1"]["p99"]
     assert s["4"]["p95"] <= t["4"]["p95"] and s["8"]["p95"] <= t["8"]["p95"]
