@@ -27,13 +27,14 @@ from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
 from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
-from ..worker import reserve
+from ..worker import reserve, transfer
+from ..worker.later import later
 from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
 from .drive import default_sinks
 from .linecmd import LINE_COMMANDS, line_command
-from .sessions import Session, Sessions, park_dir
+from .sessions import Session, Sessions, park_dir, park_target, sweep_orphans
 
 
 @magics_class
@@ -112,6 +113,7 @@ class GpuMagics(Magics):
         self.sessions = Sessions()
         self.jobs: dict[str, SimpleNamespace] = {}
         self._memory_changed()
+        later(sweep_orphans, transfer.shm_dir())  # parked sessions of this user's kernels that were killed
 
     @validate("warm_memory")
     def _valid_memory(self, proposal: Any) -> str:
@@ -288,7 +290,7 @@ class GpuMagics(Magics):
             s = Session(name, *self._session_lease(opts))
             target = park_dir(s.worker, self._root()) if self.park_sessions else None
             if target is not None:
-                s.park_target = {"dir": target, "to": os.path.join(target, f"gpulease-park-{os.urandom(8).hex()}")}
+                s.park_target = park_target(target)
             self.sessions.add(s)
             self._beat_for(s)
         s.parent = self._sh.get_parent() if hasattr(self._sh, "get_parent") else None

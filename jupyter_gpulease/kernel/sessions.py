@@ -214,7 +214,7 @@ class Sessions:
             raise ValueError("parking is off (GpuMagics.park_sessions)")
         if not s.alive() and s.find_parked() is None:
             raise ValueError(f"session {name!r} has ended ({s.ended_reason or 'worker gone'}): nothing to park")
-        if s.parked is None and not s.park("released", lambda text: print(text, end="", file=sys.stderr)):
+        if s.parked is None and not s.park("parked", lambda text: print(text, end="", file=sys.stderr)):
             raise ValueError(f"session {name!r} could not be parked; its lease was released")
         s.ended_reason = s.ended_reason or "parked"
         return s
@@ -230,6 +230,35 @@ def _state(s: Session) -> str:
     if s.find_parked() is not None:
         return f"parked ({s.describe_parked()})"
     return s.ended_reason or "ended"
+
+
+def park_target(directory: str) -> dict[str, str]:
+    """Where a new session of this kernel parks: a manifest named after this process, so that a kernel that died
+    without cleaning up can be told from a live one (``sweep_orphans``)."""
+    return {"dir": directory, "to": os.path.join(directory, f"gpulease-park-{os.getpid()}-{os.urandom(8).hex()}")}
+
+
+def sweep_orphans(directory: str) -> int:
+    """Remove the parked states of this user's kernels that are gone (killed before they could remove them):
+    host memory otherwise held until the next reboot. How many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith("gpulease-park-") or len(parts) != 4 or not parts[2].isdigit() or name.endswith(".tmp"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{parts[2]}"):
+                continue
+        except OSError:
+            continue
+        park.discard(path)
+        removed += 1
+    return removed
 
 
 def park_dir(worker: Worker, artifact_root: str | None) -> str | None:

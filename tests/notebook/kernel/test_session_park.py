@@ -162,3 +162,29 @@ def test_a_parked_state_that_cannot_be_loaded_fails_the_cell_clearly_and_stays_p
     finally:
         k.stop()
         c.close()
+
+
+def test_a_killed_kernels_parked_state_is_swept_when_a_kernel_of_this_user_starts(broker_factory,
+                                                                                  tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    shm = transfer.shm_dir()
+    orphan = os.path.join(shm, f"gpulease-park-{int(dead.stdout)}-{os.urandom(8).hex()}")
+    live = os.path.join(shm, f"gpulease-park-{os.getpid()}-{os.urandom(8).hex()}")  # this process: alive
+    for to in (orphan, live):
+        park.park({"w": np.ones(1 << 18)}, shm, to)  # 2 MiB: its buffers go to a file of their own
+    orphan_buffers = park.read(orphan)["packed"]["file"]
+    assert os.path.exists(orphan_buffers)
+    b = broker_factory(gpus=1, args=["--tick=0.1"], name="sweep")
+    k = Kernel(b.url, str(tmp_path / "art"))
+    try:
+        wait_for(lambda: not os.path.exists(orphan), 10, "the orphaned parked state to be removed")
+        assert not os.path.exists(orphan_buffers)
+        assert os.path.exists(live), "a live kernel's parked state stays"
+    finally:
+        k.stop()
+        park.discard(live)
