@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -30,6 +28,7 @@ from ..executors.local import LocalExecutor, WarmPool
 from ..worker import reserve, transfer
 from ..worker.later import later
 from .acquire import Heartbeater, LeaseUnavailable, acquire
+from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
 from .drive import default_sinks
@@ -111,7 +110,7 @@ class GpuMagics(Magics):
         #: placement kind (``local``, ``ray``, ``slurm``) -> its executor, made when a lease first needs it
         self.executors: dict[str, Executor] = {"local": LocalExecutor(self.pool, parent=self)}
         self.sessions = Sessions()
-        self.jobs: dict[str, SimpleNamespace] = {}
+        self.jobs = BackgroundJobs()
         self._memory_changed()
         later(sweep_orphans, transfer.shm_dir())  # parked sessions of this user's kernels that were killed
 
@@ -208,7 +207,7 @@ class GpuMagics(Magics):
             print(sel.note(), file=sys.stderr)
         job = Job("cell", cell, self._cell_name(), sel.send, _names(args.out), header=f"%%gpu {line}".rstrip())
         if args.bg:
-            return self._background(args.bg, opts, job)
+            return self.jobs.start(args.bg, self._sh, lambda: self._once(opts, job), self.show_summary)
         try:
             if args.session:
                 outcome = self._in_session(args.session, opts, job)
@@ -343,39 +342,6 @@ class GpuMagics(Magics):
             session.submit(reserve.hold_message() or {"type": "reserve", "nbytes": 0, "heap": 0})
         if reserve.RESULTS.expected():
             reserve.RESULTS.prepare(REFILL_DELAY)
-
-    def _background(self, name: str, opts: dict[str, Any], job: Job) -> None:
-        if name in self.jobs and self.jobs[name].state in ("queued", "running"):
-            raise UsageError(f"%%gpu: a background job named {name!r} is still {self.jobs[name].state}")
-        parent = self._sh.get_parent() if hasattr(self._sh, "get_parent") else None
-        entry = SimpleNamespace(name=name, state="queued", started=time.time(), lease_id=None, error=None)
-        self.jobs[name] = entry
-
-        def work() -> None:
-            tokens = self._sh.set_thread_parent(parent) if parent is not None else None
-            try:
-                entry.state = "running"
-                outcome = self._once(opts, job)
-                self._sh.user_ns.update(outcome.outputs)
-                entry.lease_id, entry.state = outcome.lease.id, "done"
-                if self.show_summary:
-                    print(f"[{name}] " + summary_line(outcome), flush=True)
-                if outcome.value is not None:
-                    from IPython.display import display
-
-                    display(outcome.value)
-            except BaseException as e:  # report in the launching cell; never kill the kernel's thread silently
-                entry.state, entry.error = "failed", str(e)
-                if self.show_summary and getattr(e, "outcome", None) is not None:
-                    print(f"[{name}] " + summary_line(e.outcome, failed=e.ename), flush=True)  # type: ignore[attr-defined]
-                text = e._render_traceback_() if hasattr(e, "_render_traceback_") else [f"{type(e).__name__}: {e}"]
-                print(f"[{name}] failed:\n" + "\n".join(text), file=sys.stderr, flush=True)
-            finally:
-                if tokens is not None:
-                    self._sh.reset_thread_parent(tokens)
-
-        threading.Thread(target=work, name=f"gpulease-bg-{name}", daemon=True).start()
-        print(f"gpulease: {name!r} runs in the background; its output appears in this cell. `%gpu jobs` lists jobs.")
 
     def shutdown(self) -> None:
         self.sessions.stop_all()

@@ -178,7 +178,7 @@ class Enforcer:
                 ops.mark_idle(lease)
             warned = self.warned.setdefault(lease.id, set())
             kind = "idle:pressure" if pressed else "idle"
-            if timeout and kind not in warned and idle_for >= timeout - pol.warn_before_seconds:
+            if timeout and kind not in warned and idle_for >= self.warn_after(timeout):
                 warned.add(kind)
                 self._warn(lease, "idle", lease.last_activity + timeout)
             if (
@@ -188,6 +188,14 @@ class Enforcer:
             ):
                 warned.add("expiry")
                 self._warn(lease, "expiry", lease.expires_at)
+
+    def warn_after(self, timeout: float) -> float:
+        """Seconds without activity after which a lease with this idle timeout is warned: ``warn_before_seconds``
+        before the deadline, but never before it has been idle for ``idle_mark_seconds`` (half its timeout if that
+        is shorter): with a pressure timeout no longer than the warning's lead, a lease in use would otherwise be
+        warned at every tick while someone waits."""
+        pol = self.policy
+        return max(timeout - pol.warn_before_seconds, min(pol.idle_mark_seconds, timeout / 2))
 
     def pressure_now(self, now: float) -> Pressure | None:
         """The pressure as the queue stands now (the tick's is as it stood then): for an estimate made the moment a

@@ -222,7 +222,7 @@ class _LeaseSim(_Sim):
         # (mark idle, idle or pressure revocation, their warnings): the runner need not report it again
         pol = self.m.policy
         timeouts = [t for t in (idle, pol.pressure_idle_timeout_seconds) if t > 0]
-        self.quiet = min([pol.idle_mark_seconds] + [t - pol.warn_before_seconds for t in timeouts])
+        self.quiet = min([pol.idle_mark_seconds] + [self.m.enforcer.warn_after(t) for t in timeouts])
         self.sessions: dict[str, list[Burst]] = {}
         for i, b in enumerate(trace.bursts):
             self.sessions.setdefault(b.session or f"#burst{i}", []).append(b)
@@ -283,7 +283,8 @@ class _LeaseSim(_Sim):
                 self.m.activity(running, now)
         lease = self.request(st["who"], b.gpus, self.limit(b.duration + self.idle_req + LINGER_SLACK), self.idle_req,
                              (key, idx, out), key)
-        if lease.state == LeaseState.QUEUED and self.m.policy.pressure_idle_timeout_seconds:
+        if lease.state == LeaseState.QUEUED and self.m.policy.pressure_idle_timeout_seconds \
+                and self.m.enforcer.pressure_now(now) != self.m.enforcer.pressure:
             self.push(now, _PRESSURE, None, now)  # the broker's next tick: idle leases it waits for may go
 
     def granted(self, lease: Lease, then: Any) -> None:

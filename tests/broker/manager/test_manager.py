@@ -141,6 +141,29 @@ def test_pressure_idle_timeout_revokes_an_idle_lease_the_head_of_the_queue_waits
     assert {a.state, b.state} == {LeaseState.REVOKED}
 
 
+def test_with_the_default_pressure_a_lease_in_use_is_not_warned_and_an_idle_one_once(make):
+    """The default pressure timeout (60 s) is no longer than warn_before_seconds (60 s): the warning comes once the
+    lease has been idle for idle_mark_seconds (30 s), not at every tick of a lease in use while someone waits."""
+    m, clock = make(gpus=1, default_idle_timeout_seconds=600)
+    a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
+    b, _ = m.request(BOB, {"gpus": 1, "heartbeat": False})
+    for _ in range(20):  # a cell runs for 20 s while bob waits
+        clock.advance(1)
+        m.activity(a, clock.now())
+        m.tick()
+    assert not events_of(m, "warning")
+    clock.advance(29)  # then the notebook pauses
+    m.tick()
+    assert not events_of(m, "warning")
+    clock.advance(2)
+    for _ in range(5):
+        m.tick()
+    assert [(w["lease_id"], w["deadline"]) for w in events_of(m, "warning")] == [(a.id, a.last_activity + 60)]
+    clock.advance(30)
+    m.tick()
+    assert a.reason == "idle_pressure" and b.state == LeaseState.GRANTED
+
+
 def test_pressure_needs_someone_the_gpus_would_serve(make):
     m, clock = make(gpus=4, nodes=2, **PRESSURE)
     a, _ = m.request(ALICE, {"gpus": 1, "heartbeat": False})
