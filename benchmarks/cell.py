@@ -252,7 +252,8 @@ def _park(k: _Kernel, size: int, reps: int) -> list[Figure]:
         figure(f"resume a parked session holding {mib}: its next cell", "ms", resumes,
                "numpy reads the same bytes back from /dev/shm in the kernel", reads, bar=None,
                note="a new lease, a new session worker, the state mapped back from /dev/shm and unpickled, then the "
-                    "cell (`w.shape`), in the same rounds as the park."),
+                    "cell (`w.shape`), in the same rounds as the park. The file is mapped copy-on-write, so the "
+                    "array's pages are read when first used, not here: numpy's read copies them all."),
     ]
 
 

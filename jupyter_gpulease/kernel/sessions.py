@@ -61,8 +61,8 @@ class Session:
         return extra
 
     def restored(self) -> None:
-        """The parked state is back in the worker: its files go."""
-        if self.parked is not None and self.park_target:
+        """The parked state is back in the worker (or dropped): its files go, with any a killed park left."""
+        if self.park_target:
             park.discard(self.park_target["to"])
         self.parked = None
 
@@ -247,16 +247,16 @@ def sweep_orphans(directory: str) -> int:
     except OSError:
         return 0
     for name in names:
-        parts = name.split("-")
-        if not name.startswith("gpulease-park-") or len(parts) != 4 or not parts[2].isdigit() or name.endswith(".tmp"):
+        parts = name.split(".")[0].split("-")  # gpulease-park-PID-RANDOM[.buf|.N.tmp]
+        if not name.startswith("gpulease-park-") or len(parts) != 4 or not parts[2].isdigit():
             continue
         path = os.path.join(directory, name)
         try:
             if os.stat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{parts[2]}"):
                 continue
+            os.unlink(path)
         except OSError:
             continue
-        park.discard(path)
         removed += 1
     return removed
 

@@ -14,6 +14,7 @@ manifest, and the session says its variables are gone, as without parking. The f
 from __future__ import annotations
 
 import _pickle as pickle
+import glob
 import os
 import sys
 import time
@@ -56,15 +57,16 @@ def park(ns: dict[str, Any], directory: str, to: str) -> dict[str, Any]:
     ``dropped``. Returns the manifest's summary: names, dropped (name -> why), nbytes."""
     values = {n: v for n, v in ns.items() if n not in _NOT_STATE}
     dropped: dict[str, str] = {}
+    buffers = to + ".buf"  # named after the manifest: a worker killed while writing leaves nothing unnamed
     try:
-        packed = transfer.dumps(values, directory, keep_devices=True)
+        packed = transfer.dumps(values, directory, keep_devices=True, path=buffers)
     except OSError:
         raise  # the directory is full or gone: nothing to leave out
     except Exception:
         dropped = _unpicklable(values)
         for name in dropped:
             del values[name]
-        packed = transfer.dumps(values, directory, keep_devices=True)
+        packed = transfer.dumps(values, directory, keep_devices=True, path=buffers)
     summary = {"names": sorted(values), "dropped": dropped,
                "nbytes": len(packed["data"]) + sum(n for _, n in packed["spans"]), "at": time.time()}
     tmp = f"{to}.{os.getpid()}.tmp"
@@ -90,11 +92,9 @@ def read(to: str) -> dict[str, Any] | None:
 
 
 def discard(to: str) -> None:
-    """Remove a parked state: its manifest and its buffer file."""
-    manifest = read(to)
-    if manifest is not None:
-        transfer.discard(manifest["packed"])
-    transfer.discard({"file": to})
+    """Remove a parked state: its manifest, its buffer file, and what a worker killed while parking left."""
+    for path in (to, to + ".buf", *glob.glob(glob.escape(to) + ".*.tmp")):
+        transfer.discard({"file": path})
 
 
 def restore(to: str) -> dict[str, Any]:

@@ -160,7 +160,8 @@ def _trivial(value: Any) -> bool:
     return False
 
 
-def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devices: bool = False) -> dict[str, Any]:
+def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devices: bool = False,
+          path: str | None = None) -> dict[str, Any]:
     """Pickle ``value``; buffers of at least OOB_MIN_BYTES travel out of band.
 
     Plain data uses the standard pickler; anything else cloudpickle (by value for what the
@@ -168,7 +169,8 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devic
     ``{"data": bytes, "file": path|None, "spans": [(off, len)]}``: the big buffers in one file
     in ``directory``. With ``vm`` they stay where they are instead: ``"vm": [(address, len)]``
     says where, and ``"_hold"`` (to pop before sending) keeps them alive until they are copied. ``keep_devices``:
-    tensors on a GPU come back onto their device when loaded (see ``on_device``), not on the CPU.
+    tensors on a GPU come back onto their device when loaded (see ``on_device``), not on the CPU. ``path``: the
+    buffer file's name (default: a new random one in ``directory``).
     """
     big: list[pickle.PickleBuffer] = []
 
@@ -188,13 +190,15 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devic
             out["vm"] = vmcopy.spans(raws)
             out["_hold"] = raws
         else:
-            out["file"], out["spans"] = write_buffers(raws, directory)
+            out["file"], out["spans"] = write_buffers(raws, directory, path)
     return out
 
 
-def write_buffers(raws: list[memoryview], directory: str | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """The buffers, one after the other, in a new file only this user can read: (path, spans)."""
-    path = os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
+def write_buffers(raws: list[memoryview], directory: str | None = None,
+                  path: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The buffers, one after the other, in a new file only this user can read (``path``, or a random name in
+    ``directory``): (path, spans)."""
+    path = path or os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
     spans = []
     # readable by this user only (the values are the user's data); O_EXCL: never an existing file or link
     try:

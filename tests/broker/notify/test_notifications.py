@@ -79,8 +79,9 @@ def cli(b, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_pressure_warning_is_told(broker_factory, tmp_path, hook) -> None:
     """The default policy's pressure idle timeout: when a request waits for the GPU of an idle lease, its holder is
-    warned at once (webhook) and the lease is revoked a minute after its last activity."""
-    b = broker_factory(gpus=1, args=["--tick=0.1", config(tmp_path, hook)])
+    warned (webhook) once the lease has been idle idle_mark_seconds (1 s here), and the lease is revoked a minute
+    after its last activity."""
+    b = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.idle_mark_seconds=1", config(tmp_path, hook)])
     c = b.client()
     first = c.request_lease(1, heartbeat=False)
     assert hook.received == []  # no one waits: no warning

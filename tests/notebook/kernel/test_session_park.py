@@ -24,6 +24,7 @@ EXPECTED = f"{float(sum(range(2_000_000)))} True 42 7"
 
 
 def _parked_files() -> list[str]:
+    """Parked states' files: a manifest and its buffers (``.buf``) each."""
     return glob.glob(os.path.join(transfer.shm_dir(), "gpulease-park-*"))
 
 
@@ -150,8 +151,9 @@ def test_a_parked_state_that_cannot_be_loaded_fails_the_cell_clearly_and_stays_p
         before = set(_parked_files())
         assert k.run(SETUP.format(opts="")).status == "ok"
         assert k.run("%gpu session park m").status == "ok"
-        (manifest,) = set(_parked_files()) - before
-        os.unlink(park.read(manifest)["packed"]["file"])  # the big array's buffers are lost
+        manifest, buffers = sorted(set(_parked_files()) - before)
+        assert buffers == manifest + ".buf" == park.read(manifest)["packed"]["file"]
+        os.unlink(buffers)  # the big array's buffers are lost
         r = k.run(CHECK)
         assert r.status == "error"
         assert "RestoreError" in str(r.outputs) and "could not load the session's parked variables" in str(r.outputs)
