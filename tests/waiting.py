@@ -19,3 +19,12 @@ def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "", inter
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or 'the condition'}")
         time.sleep(interval)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # gone (also while /proc is read)
+        return False

@@ -267,7 +267,7 @@ def test_session_keeps_its_ray_worker_across_cells(kernel: Any, client: BrokerCl
     lease = next(v for v in client.leases() if v["state"] in ("granted", "active", "idle"))
     assert lease["placement"]["kind"] == "ray"
     kernel.run("%gpu session stop ray")
-    wait_for(lambda: not _pid_alive(int(pid)), what="the session's worker to be stopped")
+    wait_for(lambda: not waiting.process_alive(int(pid)), what="the session's worker to be stopped")
     wait_for(lambda: client.lease(lease["id"])["state"] == "released", what="the session's lease released")
 
 
@@ -290,18 +290,11 @@ def test_revoke_kills_the_ray_worker(kernel: Any, client: BrokerClient, tmp_path
     r = kernel.collect(msg_id, timeout=T * 2)
     assert r.status == "error", (r.outputs, r.reply)
     assert r.error is not None and "WorkerCrashed" in r.error["ename"] + str(r.error.get("evalue"))
-    wait_for(lambda: not any(_pid_alive(p) for p in pids), what="the worker and its child to be killed")
+    wait_for(lambda: not any(waiting.process_alive(p) for p in pids), what="the worker and its child to be killed")
     assert client.lease(lease["id"])["reason"].startswith("admin")
     assert "gpulease-" + lease["id"] not in _groups()
     wait_for(lambda: _gpus_free_in_ray() == 2.0, what="Ray to free the revoked lease's GPUs")
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 # ------------------------------------------------------------------------------ restart and node death

@@ -297,7 +297,7 @@ def test_session_keeps_its_step_worker_across_cells(kernel: Any, client: BrokerC
     lease = next(v for v in client.leases() if v["state"] not in ENDED)
     assert lease["placement"]["kind"] == "slurm"
     kernel.run("%gpu session stop sl")
-    wait_for(lambda: not _pid_alive(int(pid)), what="the session's worker to be stopped")
+    wait_for(lambda: not waiting.process_alive(int(pid)), what="the session's worker to be stopped")
     wait_for(lambda: client.lease(lease["id"])["state"] == "released", what="the session's lease released")
     wait_for(lambda: not _live_jobs(cluster), what="the session's allocation to end")
 
@@ -321,7 +321,7 @@ def test_revoke_kills_the_step(kernel: Any, client: BrokerClient, cluster: Local
     r = kernel.collect(msg_id, timeout=60)
     assert r.status == "error"
     assert r.error is not None and "WorkerCrashed" in r.error["ename"] + str(r.error.get("evalue"))
-    wait_for(lambda: not any(_pid_alive(p) for p in pids), what="the worker and its child to be killed")
+    wait_for(lambda: not any(waiting.process_alive(p) for p in pids), what="the worker and its child to be killed")
     wait_for(lambda: not [j for j in cluster.jobs() if j["id"] == job["id"]], what="the job to leave squeue")
     assert client.lease(lease["id"])["reason"].startswith("admin")
 
@@ -338,7 +338,7 @@ def test_interrupt_reaches_the_cell_in_the_step(kernel: Any, client: BrokerClien
     r = kernel.collect(msg_id, timeout=60)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
     assert "time.sleep(0.05)" in "\n".join(r.error["traceback"])  # the worker's own traceback, through srun
-    wait_for(lambda: not _pid_alive(pid), what="the worker to exit")
+    wait_for(lambda: not waiting.process_alive(pid), what="the worker to exit")
     wait_for(lambda: client.lease(lease["id"])["state"] == "released", what="the lease released")
     wait_for(lambda: not _live_jobs(cluster), what="the allocation to end")
 
@@ -354,7 +354,7 @@ def test_kernel_death_ends_the_step(cluster: LocalSlurmCluster, broker: BrokerPr
             "worker " in o["content"].get("text", "") for o in outs))
         pid = int(partial.stdout.split("worker ")[1].split()[0])
         k.kill9()
-        wait_for(lambda: not _pid_alive(pid), timeout=10, what="the worker to die with its kernel (its lifeline)")
+        wait_for(lambda: not waiting.process_alive(pid), timeout=10, what="the worker to die with its kernel (its lifeline)")
         job = _job(cluster, next(v for v in client.leases() if v["state"] not in ENDED))
         wait_for(lambda: "gpulease-cell" not in cluster.run("squeue", "--steps", "--noheader",
                                                             f"--jobs={job['id']}", "--format=%j"),
@@ -362,13 +362,6 @@ def test_kernel_death_ends_the_step(cluster: LocalSlurmCluster, broker: BrokerPr
     finally:
         k.stop()
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):  # gone (also while /proc is read)
-        return False
 
 
 # ------------------------------------------------------------------------------ restart and node death
@@ -419,5 +412,5 @@ def test_a_cluster_stops_by_pid_and_leaves_nothing() -> None:
         wait_for(lambda: "sleep" in c.run("squeue", "--steps", "--noheader", "--format=%j"), what="the step")
         root, pids = c.root, [p.pid for p in c.procs.values()]
     assert step.wait(T) is not None
-    assert not c.leftovers() and not any(_pid_alive(p) for p in pids)
+    assert not c.leftovers() and not any(waiting.process_alive(p) for p in pids)
     assert not root.exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from kernels import Kernel
-from waiting import wait_for
+from waiting import process_alive, wait_for
 
 
 def _wait_ended(client, lease_id: str, timeout: float) -> dict:  # type: ignore[no-untyped-def]
@@ -20,13 +20,6 @@ def _wait_ended(client, lease_id: str, timeout: float) -> dict:  # type: ignore[
 
     return wait_for(ended, timeout, f"lease {lease_id} to end")  # type: ignore[no-any-return]
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture
@@ -148,7 +141,7 @@ def test_interrupt_stops_the_worker_and_releases(kernel: Kernel, client) -> None
     r = kernel.collect(msg_id)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
     assert "time.sleep(0.05)" in "\n".join(r.error["traceback"])  # the worker's own traceback
-    wait_for(lambda: not _alive(pid), 5, "worker exit")
+    wait_for(lambda: not process_alive(pid), 5, "worker exit")
     wait_for(lambda: client.lease(lease_id)["state"] == "released", 5, "release")
     assert kernel.run("print('still usable')").stdout == "still usable\n"
 
@@ -163,7 +156,7 @@ def test_kernel_death_kills_worker_and_lease_is_revoked(broker_factory, kernel_f
     lease_id = _holding(c)[0]["id"]
     k.kill9()
     t0 = time.monotonic()
-    wait_for(lambda: not _alive(pid), 5, "the worker to die with its kernel")
+    wait_for(lambda: not process_alive(pid), 5, "the worker to die with its kernel")
     assert time.monotonic() - t0 < 1.5
     lease = _wait_ended(c, lease_id, 15)
     assert lease["state"] == "revoked" and lease["reason"] == "holder_gone"
@@ -200,7 +193,7 @@ def test_session_keeps_its_worker_and_is_revoked_when_idle(broker_factory, kerne
     lease_id = _holding(c)[0]["id"]
     lease = _wait_ended(c, lease_id, 15)
     assert lease["state"] == "revoked" and lease["reason"] == "idle"
-    wait_for(lambda: not _alive(pid), 5, "the session worker to be stopped")
+    wait_for(lambda: not process_alive(pid), 5, "the session worker to be stopped")
     r3 = k.run("%%gpu --session m\nprint('model' in dir())")
     assert "ended" in r3.stderr and "starting a new one" in r3.stderr and "False" in r3.stdout
     warnings = [m for m in k.stray if m["msg_type"] == "stream" and "will be revoked" in m["content"]["text"]]

@@ -7,11 +7,13 @@ from __future__ import annotations
 import glob
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kernels import Kernel
-from waiting import wait_for
+from waiting import process_alive, wait_for
 
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.worker import park, transfer
@@ -28,12 +30,23 @@ def _parked_files() -> list[str]:
     return glob.glob(os.path.join(transfer.shm_dir(), "gpulease-park-*"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+
+@pytest.fixture
+def stage(broker_factory, tmp_path: Path) -> Iterator[Any]:
+    """``stage(gpus=1, *broker_args)``: a real broker (fast ticks) and a real kernel on it, as (kernel, client); the
+    session ``m`` is stopped and both are closed after the test."""
+    made: list[tuple[Kernel, BrokerClient]] = []
+
+    def make(gpus: int = 1, *args: str) -> tuple[Kernel, BrokerClient]:
+        b = broker_factory(gpus=gpus, args=["--tick=0.1", *args], name=f"broker{len(made)}")
+        made.append((Kernel(b.url, str(tmp_path / "art")), b.client()))
+        return made[-1]
+
+    yield make
+    for k, c in made:
+        k.run("%gpu session stop m")
+        k.stop()
+        c.close()
 
 
 def _holding(client: BrokerClient) -> list[dict[str, Any]]:
@@ -54,120 +67,90 @@ def _stray(k: Kernel, text: str) -> list[str]:
     return [m["content"]["text"] for m in k.stray if m["msg_type"] == "stream" and text in m["content"]["text"]]
 
 
-def test_a_session_revoked_when_idle_is_parked_and_its_next_cell_gets_it_back(broker_factory, tmp_path: Path) -> None:
-    b = broker_factory(gpus=2, args=["--tick=0.1", "--LeasePolicy.warn_before_seconds=1"], name="idle")
-    k = Kernel(b.url, str(tmp_path / "art"))
-    c = b.client()
-    try:
-        before = set(_parked_files())
-        r1 = k.run(SETUP.format(opts=" --idle 3s"))
-        assert r1.status == "ok", r1.outputs
-        pid = int(r1.stdout.split()[0])
-        lease_id = _holding(c)[0]["id"]
-        lease = _ended(c, lease_id)
-        assert lease["state"] == "revoked" and lease["reason"] == "idle"
-        wait_for(lambda: not _alive(pid), 10, "the session worker to exit")  # the broker's SIGTERM: it parks, exits
-        wait_for(lambda: _stray(k, "variables are parked in host memory ("), 10, "the parked note in the session's last cell")
-        assert "its variables are parked in host memory (7 variables" in _stray(k, "variables are parked in host memory (")[0]
-        assert "parked (7 variables" in k.run("%gpu sessions").stdout
-        assert set(_parked_files()) - before, "the parked state lives in host memory (the shm directory)"
+def test_a_session_revoked_when_idle_is_parked_and_its_next_cell_gets_it_back(stage) -> None:
+    k, c = stage(2, "--LeasePolicy.warn_before_seconds=1")
+    before = set(_parked_files())
+    r1 = k.run(SETUP.format(opts=" --idle 3s"))
+    assert r1.status == "ok", r1.outputs
+    pid = int(r1.stdout.split()[0])
+    lease_id = _holding(c)[0]["id"]
+    lease = _ended(c, lease_id)
+    assert lease["state"] == "revoked" and lease["reason"] == "idle"
+    wait_for(lambda: not process_alive(pid), 10, "the session worker to exit")  # the broker's SIGTERM: it parks, exits
+    wait_for(lambda: _stray(k, "variables are parked in host memory ("), 10, "the parked note in the session's last cell")
+    assert "its variables are parked in host memory (7 variables" in _stray(k, "variables are parked in host memory (")[0]
+    assert "parked (7 variables" in k.run("%gpu sessions").stdout
+    assert set(_parked_files()) - before, "the parked state lives in host memory (the shm directory)"
 
-        r2 = k.run(CHECK)
-        assert r2.status == "ok", r2.outputs
-        new_pid, rest = r2.stdout.split(" ", 1)
-        assert int(new_pid) != pid and rest.startswith(EXPECTED), r2.stdout
-        assert "was parked in host memory" in r2.stderr and "7 parked variables (15.3 MiB) are back" in r2.stderr
-        assert set(_parked_files()) == before, "restored: the parked files are gone"
-        assert "alive" in k.run("%gpu sessions").stdout
-        assert len(_holding(c)) == 1 and _holding(c)[0]["id"] != lease_id
-    finally:
-        k.run("%gpu session stop m")
-        k.stop()
-        c.close()
+    r2 = k.run(CHECK)
+    assert r2.status == "ok", r2.outputs
+    new_pid, rest = r2.stdout.split(" ", 1)
+    assert int(new_pid) != pid and rest.startswith(EXPECTED), r2.stdout
+    assert "was parked in host memory" in r2.stderr and "7 parked variables (15.3 MiB) are back" in r2.stderr
+    assert set(_parked_files()) == before, "restored: the parked files are gone"
+    assert "alive" in k.run("%gpu sessions").stdout
+    assert len(_holding(c)) == 1 and _holding(c)[0]["id"] != lease_id
 
 
-def test_pressure_takes_an_idle_sessions_gpu_for_a_waiting_request_and_the_session_keeps_its_state(
-        broker_factory, tmp_path: Path) -> None:
-    b = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.pressure_idle_timeout_seconds=1"], name="press")
-    k = Kernel(b.url, str(tmp_path / "art"))
-    c = b.client()
-    try:
-        r1 = k.run(SETUP.format(opts=" --idle 10m"))
-        assert r1.status == "ok", r1.outputs
-        session_lease = _holding(c)[0]["id"]
-        t0 = time.monotonic()
-        waiting = c.request_lease(1, wait=30)  # another user's cell, say: it waits for the one GPU
-        assert waiting["state"] == "granted", waiting
-        assert time.monotonic() - t0 < 15
-        lease = c.lease(session_lease)
-        assert lease["state"] == "revoked" and lease["reason"] == "idle_pressure"
-        wait_for(lambda: _stray(k, "variables are parked in host memory ("), 10, "the parked note")
-        c.release(waiting["id"])
-        r2 = k.run(CHECK)
-        assert r2.status == "ok", r2.outputs
-        assert r2.stdout.split(" ", 1)[1].startswith(EXPECTED), r2.stdout
-    finally:
-        k.run("%gpu session stop m")
-        k.stop()
-        c.close()
+def test_pressure_takes_an_idle_sessions_gpu_for_a_waiting_request_and_the_session_keeps_its_state(stage) -> None:
+    k, c = stage(1, "--LeasePolicy.pressure_idle_timeout_seconds=1")
+    r1 = k.run(SETUP.format(opts=" --idle 10m"))
+    assert r1.status == "ok", r1.outputs
+    session_lease = _holding(c)[0]["id"]
+    t0 = time.monotonic()
+    waiting = c.request_lease(1, wait=30)  # another user's cell, say: it waits for the one GPU
+    assert waiting["state"] == "granted", waiting
+    assert time.monotonic() - t0 < 15
+    lease = c.lease(session_lease)
+    assert lease["state"] == "revoked" and lease["reason"] == "idle_pressure"
+    wait_for(lambda: _stray(k, "variables are parked in host memory ("), 10, "the parked note")
+    c.release(waiting["id"])
+    r2 = k.run(CHECK)
+    assert r2.status == "ok", r2.outputs
+    assert r2.stdout.split(" ", 1)[1].startswith(EXPECTED), r2.stdout
 
 
-def test_park_by_hand_gives_the_gpu_back_names_what_cannot_be_kept_and_stop_drops_it(broker_factory,
-                                                                                     tmp_path: Path) -> None:
-    b = broker_factory(gpus=1, args=["--tick=0.1"], name="hand")
-    k = Kernel(b.url, str(tmp_path / "art"))
-    c = b.client()
-    try:
-        before = set(_parked_files())
-        r1 = k.run("%%gpu --session m\nx = 5\nsquares = (i * i for i in range(3))")
-        assert r1.status == "ok", r1.outputs
-        r = k.run("%gpu session park m")
-        assert r.status == "ok", r.outputs
-        assert "parked in host memory (1 variable" in r.stdout, r.stdout
-        assert "left out (cannot be pickled): squares (TypeError" in r.stdout
-        assert _holding(c) == []  # the GPU is free at once
-        r2 = k.run("%%gpu\nprint('another cell ran')")  # the one GPU serves other cells meanwhile
-        assert "another cell ran" in r2.stdout
-        r3 = k.run("%%gpu --session m\nprint(x, 'squares' in dir())")
-        assert r3.stdout.startswith("5 False"), r3.outputs
-        k.run("%gpu session park m")
-        assert set(_parked_files()) - before
-        r4 = k.run("%gpu session stop m")
-        assert r4.status == "ok", r4.outputs
-        assert set(_parked_files()) == before, "a stopped session's parked state is removed"
-        r5 = k.run("%gpu session park nope")
-        assert r5.status == "error" and "No session 'nope'" in str(r5.outputs)
-    finally:
-        k.stop()
-        c.close()
+def test_park_by_hand_gives_the_gpu_back_names_what_cannot_be_kept_and_stop_drops_it(stage) -> None:
+    k, c = stage()
+    before = set(_parked_files())
+    r1 = k.run("%%gpu --session m\nx = 5\nsquares = (i * i for i in range(3))")
+    assert r1.status == "ok", r1.outputs
+    r = k.run("%gpu session park m")
+    assert r.status == "ok", r.outputs
+    assert "parked in host memory (1 variable" in r.stdout, r.stdout
+    assert "left out (cannot be pickled): squares (TypeError" in r.stdout
+    assert _holding(c) == []  # the GPU is free at once
+    r2 = k.run("%%gpu\nprint('another cell ran')")  # the one GPU serves other cells meanwhile
+    assert "another cell ran" in r2.stdout
+    r3 = k.run("%%gpu --session m\nprint(x, 'squares' in dir())")
+    assert r3.stdout.startswith("5 False"), r3.outputs
+    k.run("%gpu session park m")
+    assert set(_parked_files()) - before
+    r4 = k.run("%gpu session stop m")
+    assert r4.status == "ok", r4.outputs
+    assert set(_parked_files()) == before, "a stopped session's parked state is removed"
+    r5 = k.run("%gpu session park nope")
+    assert r5.status == "error" and "No session 'nope'" in str(r5.outputs)
 
 
-def test_a_parked_state_that_cannot_be_loaded_fails_the_cell_clearly_and_stays_parked(broker_factory,
-                                                                                       tmp_path: Path) -> None:
-    b = broker_factory(gpus=1, args=["--tick=0.1"], name="bad")
-    k = Kernel(b.url, str(tmp_path / "art"))
-    c = b.client()
-    try:
-        before = set(_parked_files())
-        assert k.run(SETUP.format(opts="")).status == "ok"
-        assert k.run("%gpu session park m").status == "ok"
-        manifest, buffers = sorted(set(_parked_files()) - before)
-        assert buffers == manifest + ".buf" == park.read(manifest)["packed"]["file"]
-        os.unlink(buffers)  # the big array's buffers are lost
-        r = k.run(CHECK)
-        assert r.status == "error"
-        assert "RestoreError" in str(r.outputs) and "could not load the session's parked variables" in str(r.outputs)
-        assert _holding(c) == [], "the lease taken for the failed restore is released"
-        assert "parked (" in k.run("%gpu sessions").stdout, "the state stays parked: the next cell tries again"
-        k.run("%gpu session stop m")
-        assert set(_parked_files()) == before
-    finally:
-        k.stop()
-        c.close()
+def test_a_parked_state_that_cannot_be_loaded_fails_the_cell_clearly_and_stays_parked(stage) -> None:
+    k, c = stage()
+    before = set(_parked_files())
+    assert k.run(SETUP.format(opts="")).status == "ok"
+    assert k.run("%gpu session park m").status == "ok"
+    manifest, buffers = sorted(set(_parked_files()) - before)
+    assert buffers == manifest + ".buf" == park.read(manifest)["packed"]["file"]
+    os.unlink(buffers)  # the big array's buffers are lost
+    r = k.run(CHECK)
+    assert r.status == "error"
+    assert "RestoreError" in str(r.outputs) and "could not load the session's parked variables" in str(r.outputs)
+    assert _holding(c) == [], "the lease taken for the failed restore is released"
+    assert "parked (" in k.run("%gpu sessions").stdout, "the state stays parked: the next cell tries again"
+    k.run("%gpu session stop m")
+    assert set(_parked_files()) == before
 
 
-def test_a_killed_kernels_parked_state_is_swept_when_a_kernel_of_this_user_starts(broker_factory,
-                                                                                  tmp_path: Path) -> None:
+def test_a_killed_kernels_parked_state_is_swept_when_a_kernel_of_this_user_starts(stage) -> None:
     import subprocess
     import sys
 
@@ -177,16 +160,14 @@ def test_a_killed_kernels_parked_state_is_swept_when_a_kernel_of_this_user_start
     shm = transfer.shm_dir()
     orphan = os.path.join(shm, f"gpulease-park-{int(dead.stdout)}-{os.urandom(8).hex()}")
     live = os.path.join(shm, f"gpulease-park-{os.getpid()}-{os.urandom(8).hex()}")  # this process: alive
-    for to in (orphan, live):
-        park.park({"w": np.ones(1 << 18)}, shm, to)  # 2 MiB: its buffers go to a file of their own
-    orphan_buffers = park.read(orphan)["packed"]["file"]
-    assert os.path.exists(orphan_buffers)
-    b = broker_factory(gpus=1, args=["--tick=0.1"], name="sweep")
-    k = Kernel(b.url, str(tmp_path / "art"))
     try:
+        for to in (orphan, live):
+            park.park({"w": np.ones(1 << 18)}, shm, to)  # 2 MiB: its buffers go to a file of their own
+        assert os.path.exists(orphan + ".buf")
+        stage()  # a kernel of this user loads the extension
         wait_for(lambda: not os.path.exists(orphan), 10, "the orphaned parked state to be removed")
-        assert not os.path.exists(orphan_buffers)
+        assert not os.path.exists(orphan + ".buf")
         assert os.path.exists(live), "a live kernel's parked state stays"
     finally:
-        k.stop()
         park.discard(live)
+        park.discard(orphan)
