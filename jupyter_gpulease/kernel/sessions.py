@@ -142,11 +142,8 @@ class Session:
             self.worker.close()
 
     def on_heartbeat(self, view: LeaseView, warn_window: float, shell: Any) -> None:
-        """Called from the heartbeat thread with the broker's view of the lease."""
-        if view.ended_at:
-            self.ended_reason = f"{view.state} ({view.reason})"
-            self._say(f"gpulease: session {self.name!r} ended: lease {self.lease_id} {self.ended_reason}", shell)
-            return
+        """Called from the heartbeat thread with the broker's view of the lease (a live one: the broker answers a
+        heartbeat for an ended lease with 409, and ``on_gone`` runs)."""
         deadline = view.idle_deadline
         if deadline and not self.warned and deadline - time.time() <= warn_window:
             self.warned = True

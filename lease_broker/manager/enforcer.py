@@ -61,7 +61,7 @@ class Enforcer:
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
         self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
         self.pauses: dict[str, list[float]] = {}  # lease -> its last idle pauses that ended in activity
-        self.pressure: Pressure | None = None  # as of the last tick (see _pressure)
+        self.pressure: Pressure | None = None  # as of the last tick (see pressure_now)
         self.closed: dict[str, str] = {}  # gpu -> why, as an engine closed it (a subset of unhealthy)
         self.watch = GpuWatch(state, ops, policy, events, clock, self)
 
@@ -156,7 +156,7 @@ class Enforcer:
         self._escalate(now)
         self.watch.check(now)
         self._drain(now)
-        self.pressure = self._pressure(now)
+        self.pressure = self.pressure_now(now)
         for lease in list(self.state.holding()):
             if lease.state not in HOLDING:
                 continue  # ended during this tick (an end hands GPUs on at once without a loop: a preemption)
@@ -198,12 +198,9 @@ class Enforcer:
         return max(timeout - pol.warn_before_seconds, min(pol.idle_mark_seconds, timeout / 2))
 
     def pressure_now(self, now: float) -> Pressure | None:
-        """The pressure as the queue stands now (the tick's is as it stood then): for an estimate made the moment a
-        request queues, when that request already presses (``idle_timeout_under``)."""
-        return self._pressure(now)
-
-    def _pressure(self, now: float) -> Pressure | None:
-        """What the first request of a pass needs, while requests wait; else None. The first request, not any
+        """What the first request of a pass needs, as the queue stands now, while requests wait; else None (the
+        tick keeps it as ``pressure``; an estimate made the moment a request queues asks afresh, when that request
+        already presses). The first request, not any
         waiting one: GPUs freed for a request behind a gang would go to the gang's reservation (on the 2x8 replay,
         revoking for any waiting request made the 1-GPU p95 wait 14 times longer). With small_first_gpus, a small
         request goes before a bigger head (``small_first.small_need``: then only its size is known). A head that

@@ -56,7 +56,6 @@ class Estimates:
         self.history = History()
         self._nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (the GPU list, node -> its GPU ids)
         self._last: tuple[float, tuple[str, ...], dict[str, Span]] = (-INF, (), {})  # the last walk of the head
-        self._pressure: Pressure | None = None  # the pressure as the last walk found it (``Enforcer.pressure_now``)
 
     def ended(self, lease: Lease) -> None:
         """A lease ended: how long it held its GPUs joins the history (not a request that never got any)."""
@@ -95,7 +94,6 @@ class Estimates:
             for g in self.state.gpus:
                 nodes.setdefault(g.node, []).append(g.id)
             self._nodes = (self.state.gpus, nodes)
-        self._pressure = self.holders.pressure_now(now)  # a request that has just queued presses already
         ends = _Ends(self, now)
         queue = [Need(1 if p.request.shared else p.request.min_gpus, p.request.locality, self._duration(p, ends),
                       str(p.seq), self._only(p.request)) for p in pending]
@@ -115,11 +113,13 @@ class Estimates:
         left = self.history.remaining(keys, 0.0, ends.running())
         return (p.duration,) if left is None else tuple(min(d, p.duration) for d in left)
 
-    def lease_end(self, lease: Lease, now: float, running: Mapping[Hashable, Sequence[float]] | None = None) -> Ends:
+    def lease_end(self, lease: Lease, now: float, running: Mapping[Hashable, Sequence[float]] | None = None,
+                  pressure: Pressure | None = None) -> Ends:
         """When a holding lease will likely end (``core.estimate.holder_end``); ``running``: how long the holding
-        leases of each history key have run (``History.remaining``)."""
+        leases of each history key have run (``History.remaining``); ``pressure``: the waiting requests' (an idle
+        lease they press ends at its pressure deadline)."""
         idle_deadline = None
-        timeout = self.holders.idle_timeout_under(lease, self._pressure)[0] if lease.idle_timeout_seconds else 0.0
+        timeout = self.holders.idle_timeout_under(lease, pressure)[0] if lease.idle_timeout_seconds else 0.0
         if timeout and (lease.state == LeaseState.IDLE or now - lease.last_activity >= self.policy.idle_mark_seconds):
             idle_deadline = lease.last_activity + timeout
         granted = lease.granted_at if lease.granted_at is not None else now
@@ -173,6 +173,9 @@ class _Ends(Mapping[str, Ends]):
 
     def __init__(self, estimates: Estimates, now: float) -> None:
         self.e, self.now = estimates, now
+        # the pressure as the queue stands now: a request that has just queued presses already (the last tick's
+        # pressure predates it)
+        self.pressure = estimates.holders.pressure_now(now)
         self._by_seq: dict[str, Lease] | None = None
         self.ends: dict[str, Ends] = {}
         self._running: dict[Hashable, list[float]] | None = None
@@ -200,7 +203,7 @@ class _Ends(Mapping[str, Ends]):
             return (self.now + self.e.policy.term_timeout,)
         if self._by_seq is None:
             self._by_seq = {str(lease.seq): lease for lease in self.e.state.holding()}
-        return self.e.lease_end(self._by_seq[holder], self.now, self.running())
+        return self.e.lease_end(self._by_seq[holder], self.now, self.running(), self.pressure)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.ends)
