@@ -10,10 +10,11 @@ import socket
 import stat
 from typing import Any
 
-from tornado import httpserver, ioloop, netutil, web
+from tornado import ioloop, netutil, web
 
 from .api.auth import Authenticator
 from .api.base import NotFoundHandler
+from .api.http_server import BrokerHTTPServer
 from .api.metrics_http import MetricsHandler
 from .api.routes import default_handlers
 from .core.errors import LeaseError
@@ -82,9 +83,8 @@ class BrokerService:
         self.manager = manager
         self.notifier = notifier
         self.app = make_app(manager, auth, info, notifier)
-        self.server = httpserver.HTTPServer(self.app, idle_connection_timeout=request_timeout * 10,
-                                            body_timeout=request_timeout, max_body_size=1 << 20,
-                                            xheaders=False)
+        self.server = BrokerHTTPServer(self.app, idle_connection_timeout=request_timeout * 10,
+                                       body_deadline=request_timeout, max_body_size=1 << 20, xheaders=False)
         self.tick_seconds = tick_seconds
         self.sample_seconds = sample_seconds
         self._timers: list[ioloop.PeriodicCallback] = []
@@ -113,6 +113,7 @@ class BrokerService:
             self._timers.append(ioloop.PeriodicCallback(self._sample, self.sample_seconds * 1000))
         for t in self._timers:
             t.start()
+        self.server.start_sweeping()
         if self.notifier is not None:
             ioloop.IOLoop.current().add_callback(self.notifier.start)  # its tasks run in the loop
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
+import os
 import secrets
 
 
@@ -18,6 +20,13 @@ class Identity:
 
 def new_token() -> str:
     return "gpl_" + secrets.token_urlsafe(32)
+
+
+def new_lease_keys() -> tuple[str, str]:
+    """A new lease's id ("l-" and 12 hex digits) and its holder's secret (32 URL-safe characters, 192 random
+    bits), from one read of the system's randomness (a request makes both)."""
+    raw = os.urandom(30)
+    return "l-" + raw[24:].hex(), base64.urlsafe_b64encode(raw[:24]).decode()
 
 
 def hash_secret(secret: str) -> str:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..store.group_commit import GroupCommit
+from ..store.group_commit import GroupCommit, loop_running
 from ..store.lease_store import Store
 
 log = logging.getLogger("lease_broker")
@@ -30,9 +30,7 @@ class Iteration:
 
     def pass_soon(self) -> None:
         """A scheduling pass at the end of this iteration (one for all its changes); at once without a loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
+        if not loop_running():
             self._run_pass()
             return
         self._pass_due = True

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import logging
-import secrets
 from typing import Any
 
 from ..core.clock import Clock
 from ..core.errors import BadRequest, Forbidden, InvalidTransition
 from ..core.gpu import GPU, GpuSample
-from ..core.identity import Identity, hash_secret
+from ..core.identity import Identity, hash_secret, new_lease_keys
 from ..core.lease import (
     HOLDING,
     Change,
@@ -129,8 +127,8 @@ class LeaseManager:
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
         self.quotas.check_placeable(req, who.user)
         now = self.clock.now()
-        secret = secrets.token_urlsafe(24)
-        lease = Lease(id="l-" + secrets.token_hex(6), user=who.user, uid=who.uid, request=req,
+        lease_id, secret = new_lease_keys()
+        lease = Lease(id=lease_id, user=who.user, uid=who.uid, request=req,
                       state=LeaseState.QUEUED, created_at=now, seq=self._seq, reason="requested",
                       duration_seconds=duration, idle_timeout_seconds=idle, last_heartbeat=now, last_activity=now,
                       secret_hash=hash_secret(secret))
@@ -224,7 +222,7 @@ class LeaseManager:
         if before is not None and change.state is not None:
             check_transition(lease.id, before, change.state)
         writes = new or change.state is not None or change.stored or change.attach is not None
-        saved = copy.copy(lease) if writes else lease  # (the undo of a write; activity alone writes nothing)
+        saved = dict(lease.__dict__) if writes else {}  # (the undo of a write; activity alone writes nothing)
         change.apply(lease, now)
         if writes:
             try:
@@ -232,7 +230,7 @@ class LeaseManager:
                                        attach=change.attach, from_state=before if change.state is not None else None,
                                        row=change.state is not None or change.stored)
             except Exception:
-                lease.__dict__.update(saved.__dict__)
+                lease.__dict__.update(saved)
                 raise
         if new:
             self.state.leases[lease.id] = lease
@@ -255,9 +253,10 @@ class LeaseManager:
         if change.devices is not None or (before in HOLDING) != (lease.state in HOLDING):
             self.group.after(self.gpus_changed)
 
-    def _undo(self, lease: Lease, saved: Lease, new: bool) -> None:
-        """A group commit failed: this change of ``lease`` was not stored, so memory goes back to ``saved``."""
-        lease.__dict__.update(saved.__dict__)
+    def _undo(self, lease: Lease, saved: dict[str, Any], new: bool) -> None:
+        """A group commit failed: this change of ``lease`` was not stored, so memory goes back to ``saved`` (its
+        fields before the change)."""
+        lease.__dict__.update(saved)
         if new:
             self.state.leases.pop(lease.id, None)
             self.state.queue.remove(lease.id)  # (a no-op when it is not queued)

@@ -65,7 +65,7 @@ class GroupCommit:
         """One change of a lease (``Store.write_lease``'s arguments): held for the end of the iteration when an event
         loop runs (``undo`` puts the owner's memory back should the group fail), else written in a transaction of
         its own at once (a failure raises ``StoreError`` and writes nothing)."""
-        if not _loop_running():
+        if not loop_running():
             with self.store.transaction() as db:
                 self.store.write_lease(db, lease, at, new=new, from_state=from_state, row=row, attach=attach)
             return
@@ -87,7 +87,7 @@ class GroupCommit:
         """Statements of another writer (``Store.batched``): in the open group when an event loop runs (``undo``
         puts the owner's memory back should the group fail later), else in a transaction of their own. A failed
         write changes nothing and raises ``StoreError``."""
-        if not _loop_running():
+        if not loop_running():
             with self.store.transaction() as db:
                 yield db
             return
@@ -209,9 +209,6 @@ def _nothing() -> None:
     """The undo of a write that changed nothing in memory."""
 
 
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+def loop_running() -> bool:
+    """Whether this thread runs an event loop (cheap: no exception when it does not)."""
+    return asyncio._get_running_loop() is not None

@@ -310,6 +310,44 @@ def test_full_disk_gives_503_and_loses_nothing(tiny_disk: Path, tmp_path: Path) 
 
 
 # ----------------------------------------------------------------------------- stalled clients
+def _answer(s: socket.socket) -> bytes:
+    """One HTTP answer read from ``s`` (headers and a Content-Length body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head.split(b"\r\n")[0] + b" " + body
+
+
+def test_a_body_sent_slowly_within_the_deadline_is_served(broker_factory) -> None:
+    """The body deadline (``api.http_server``: one sweep, no timer per request) cuts off only bodies that are
+    overdue: one that comes in pieces, or chunked, within ``request_timeout`` is answered, and the keep-alive
+    connection serves the next request, however long it then stays idle."""
+    b = broker_factory(gpus=2, args=["--tick=0.1", "--LeaseBroker.request_timeout=2"], name="slowbody")
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(b.socket)
+    s.settimeout(20)
+    body = b'{"gpus": 1, "heartbeat": false}'
+    s.sendall(b"POST /api/v1/leases HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+    time.sleep(1.0)  # half the deadline: a real process sending slowly
+    s.sendall(body[5:])
+    first = _answer(s)
+    assert first.startswith(b"HTTP/1.1 201"), first
+    lease_id = json.loads(first.split(b" ", 3)[3])["id"]
+    time.sleep(3.0)  # idle between requests for longer than the body deadline: the connection is kept
+    release = b'{"reason": "done"}'
+    s.sendall(b"POST /api/v1/leases/%s/release HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+              % lease_id.encode() + b"%x\r\n%s\r\n" % (len(release), release))
+    time.sleep(1.0)
+    s.sendall(b"0\r\n\r\n")
+    second = _answer(s)
+    assert second.startswith(b"HTTP/1.1 200") and json.loads(second.split(b" ", 3)[3])["state"] == "released", second
+    s.close()
+
+
 def test_stalled_clients_do_not_block_others_and_are_timed_out(broker_factory) -> None:
     b = broker_factory(gpus=2, args=["--tick=0.1", "--LeaseBroker.request_timeout=1"], name="slow")
     half_header = socket.socket(socket.AF_UNIX)
