@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,14 +24,17 @@ from typing import Any
 from .report import Figure, figure
 
 TITLE = "Lease broker"
+REPO = str(Path(__file__).resolve().parent.parent)  # so that ``python -m benchmarks.noop_broker`` is found
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
 class Broker:
     """A real broker process on a Unix socket in a temporary directory."""
 
-    def __init__(self, workdir: str, gpus: int, nodes: int) -> None:
+    def __init__(self, workdir: str, gpus: int, nodes: int, module: str = "lease_broker") -> None:
+        """``module``: what ``python -m`` runs (``benchmarks.noop_broker``: the broker with a no-op endpoint)."""
         self.workdir = workdir
+        self.module = module
         self.socket = os.path.join(workdir, "b.sock")
         self.db = os.path.join(workdir, "leases.db")
         self.args = ["--inventory=simulated", f"--gpus={gpus}", f"--nodes={nodes}", f"--socket={self.socket}",
@@ -41,8 +45,9 @@ class Broker:
         """Start; returns seconds from process start to the first successful ``GET /api/v1/info``."""
         log = open(os.path.join(self.workdir, "broker.log"), "ab")
         started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "lease_broker", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True, env=env)
         while time.perf_counter() - started < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}: see {self.workdir}/broker.log")
@@ -199,10 +204,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def throughput(path: str, clients: int, seconds: float, windows: int,
-                     pid: int = 0) -> tuple[list[float], list[float], dict[str, float]]:
-    """Per window: grants/s (each grant then released) with ``clients`` concurrent connections; info/s. Also the
-    broker's (``pid``) CPU use over each kind of window, as a fraction of one core."""
+async def throughput(path: str, clients: int, seconds: float, windows: int, pid: int = 0,
+                     kinds: tuple[str, ...] = ("grant", "info")) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per window and kind: operations/s with ``clients`` concurrent connections, the kinds' windows alternating;
+    also the broker's (``pid``) CPU use over each kind's windows, as a fraction of one core. Kinds: ``grant`` (a
+    grant, then its release: one operation of 2 requests), ``info`` (GET /info), ``noop`` (two no-op POSTs of
+    ``benchmarks.noop_broker``: a pair's HTTP alone)."""
 
     async def run(kind: str) -> float:
         stop = time.perf_counter() + seconds
@@ -216,11 +223,15 @@ async def throughput(path: str, clients: int, seconds: float, windows: int,
                     if kind == "info":
                         await conn.call("GET", "/api/v1/info")
                         done += 1
-                        continue
-                    status, lease = await conn.call("POST", "/api/v1/leases", {"gpus": 1, "heartbeat": False})
-                    if status in (201, 202):
-                        await conn.call("POST", f"/api/v1/leases/{lease['id']}/release", {})
-                        done += status == 201
+                    elif kind == "noop":
+                        await conn.call("POST", "/api/v1/noop", {"gpus": 1, "heartbeat": False})
+                        await conn.call("POST", "/api/v1/noop/l-0/release", {})
+                        done += 1
+                    else:
+                        status, lease = await conn.call("POST", "/api/v1/leases", {"gpus": 1, "heartbeat": False})
+                        if status in (201, 202):
+                            await conn.call("POST", f"/api/v1/leases/{lease['id']}/release", {})
+                            done += status == 201
             finally:
                 conn.close()
 
@@ -228,16 +239,15 @@ async def throughput(path: str, clients: int, seconds: float, windows: int,
         await asyncio.gather(*(client() for _ in range(clients)))
         return done / (time.perf_counter() - t0)
 
-    grants: list[float] = []
-    infos: list[float] = []
-    busy = {"grant": 0.0, "info": 0.0}
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    busy = dict.fromkeys(kinds, 0.0)
     for _ in range(windows):
-        for kind, out in (("grant", grants), ("info", infos)):
+        for kind in kinds:
             c0, t0 = cpu_seconds(pid) if pid else 0.0, time.perf_counter()
-            out.append(await run(kind))
+            rates[kind].append(await run(kind))
             if pid:
                 busy[kind] += (cpu_seconds(pid) - c0) / (time.perf_counter() - t0) / windows
-    return grants, infos, busy
+    return rates, busy
 
 
 def scheduler_rates(gpus: int, queued: int, reps: int) -> tuple[list[float], list[float]]:
@@ -302,7 +312,8 @@ def run(opts: Any) -> list[Figure]:
             clients = 8 if quick else 64
             seconds, windows = (0.3, 2) if quick else (2.0, 5)
             assert b.proc is not None
-            rates, base, busy = asyncio.run(throughput(b.socket, clients, seconds, windows, b.proc.pid))
+            per_kind, busy = asyncio.run(throughput(b.socket, clients, seconds, windows, b.proc.pid))
+            rates, base = per_kind["grant"], per_kind["info"]
             rt = sorted(g + r for g, r in zip(grants, releases, strict=True))[len(grants) // 2]
             figures.append(figure(
                 f"grants/s, {clients} concurrent clients", "grants/s", rates, "GET /api/v1/info requests/s",
@@ -322,6 +333,33 @@ def run(opts: Any) -> list[Figure]:
                 bar=("median", ">=", 0.4),
                 note="each sample: a grant window's pairs/s divided by the next GET /info window's requests/s (the "
                      "same run, so the machine's speed cancels out).",
+            ))
+        finally:
+            b.stop()
+
+        # --- what the ratio is made of: a pair's HTTP alone (two no-op POSTs), the lease work, GET /info
+        b = Broker(os.path.join(tmp, "floor"), gpus=gpus, nodes=math.ceil(gpus / 8), module="benchmarks.noop_broker")
+        os.makedirs(b.workdir)
+        b.start()
+        try:
+            asyncio.run(create_leases(b.socket, active))
+            assert b.proc is not None
+            per_kind, busy = asyncio.run(throughput(b.socket, clients, seconds, windows, b.proc.pid,
+                                                    kinds=("info", "noop", "grant")))
+            cpu = {k: 1e6 * busy[k] / statistics.median(per_kind[k]) for k in per_kind}  # µs of broker CPU per op
+            figures.append(figure(
+                f"no-op POST pairs/s per GET /info request/s, {clients} clients", "ratio",
+                [n / i for n, i in zip(per_kind["noop"], per_kind["info"], strict=True)],
+                "grant+release pairs/s per GET /info request/s, same windows",
+                [g / i for g, i in zip(per_kind["grant"], per_kind["info"], strict=True)], bar=None,
+                note=f"the HTTP floor of a pair: two POSTs to benchmarks.noop_broker's no-op endpoint (the lease "
+                     f"endpoints' handler base: JSON body, identity, waiting for the iteration, a lease-sized JSON "
+                     f"answer), on a broker like the one above, its windows alternating with GET /info and "
+                     f"grant+release windows. Broker CPU per operation: GET /info {cpu['info']:.0f} µs, no-op pair "
+                     f"{cpu['noop']:.0f} µs, grant+release pair {cpu['grant']:.0f} µs, so a pair's lease work (3 "
+                     f"durable transitions, their events, a scheduling pass, 2 lease views) is "
+                     f"{cpu['grant'] - cpu['noop']:.0f} µs. A ratio of 0.4 needs a pair within 2.5 GET /info = "
+                     f"{2.5 * cpu['info']:.0f} µs, so lease work within {2.5 * cpu['info'] - cpu['noop']:.0f} µs.",
             ))
         finally:
             b.stop()
