@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = ["grant of a free GPU", "release, ", "grants/s", "scheduler decisions/s", "broker RSS", "restart to serving"]
+FIGURES = ["grant of a free GPU", "release, ", "grants/s", "grant+release pairs/s per GET /info", "no-op POST pairs/s per GET /info",
+           "scheduler decisions/s", "broker RSS", "restart to serving"]
 
 
 def test_quick_broker_benchmarks_write_every_figure_and_keep_other_sections(tmp_path: Path) -> None:
