@@ -106,7 +106,9 @@ class LeaseBroker(Application):
     root_is_admin = Bool(True, config=True, help="Whether uid 0 on the Unix socket is an admin (never with identity 'hub').")
     tick_seconds = Float(1.0, config=True, help="Seconds between enforcement ticks (expiry, idleness). Example: 1.")
     sample_seconds = Float(2.0, config=True, help="Seconds between inventory samples (NVML use); 0 = never.")
-    request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body.")
+    request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body after its headers (a connection that "
+                            "stalls longer is closed, found by a sweep every quarter of this, at most every 5 s; headers "
+                            "get 10 times this). Example: 30.")
     config_file = Unicode("lease_broker_config.py", config=True, help="Config file to load (Python, traitlets).")
     generate_config = Bool(False, config=True, help="Print a config file documenting every option, then exit.")
 
