@@ -3,7 +3,7 @@ request.
 
 Tornado bounds the time a client may take to send a body with a timeout around every body read
 (``body_timeout``): a task and a timer for each POST, even when the body came in the same packet as its headers,
-as ours almost always do. That was about a tenth of the broker's work per grant and release. Here tornado's
+as ours almost always do: about 6 % of the broker's CPU in a grant+release (a py-spy profile under 64 clients). Here tornado's
 per-request timeout is off; a request with a body is noted when its headers arrive and forgotten when its body is
 complete (or its connection closes), and a periodic sweep closes the connections whose body is overdue. The
 bound is the same (a stalled body is cut off, as before, at most one sweep interval late) and the cost is a dict
@@ -59,8 +59,6 @@ class BrokerHTTPServer(httpserver.HTTPServer):
 class _BodyWatch(httputil.HTTPMessageDelegate):
     """Passes a request through to tornado's delegate, noting it in ``reading`` from its headers until its body
     is complete."""
-
-    __slots__ = ("delegate", "conn", "reading")
 
     def __init__(self, delegate: httputil.HTTPMessageDelegate, conn: httputil.HTTPConnection,
                  reading: dict[httputil.HTTPConnection, float]) -> None:
