@@ -18,7 +18,7 @@ from typing import Any
 from jupyter_client.manager import KernelManager
 
 from . import cell_peers
-from .broker import Broker
+from .broker_process import Broker
 from .report import Figure, figure
 
 TITLE = "%%gpu cells"

@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Any
 
-from .broker import Broker, Conn
+from .broker_process import Broker, Conn
 from .report import Figure, figure
 
 TITLE = "Idle revocation and expiry"

@@ -79,7 +79,7 @@ def soak_cells(kernels: int, gpus: int, seconds: float) -> dict[str, Any]:
     """``kernels`` real kernels run a short ``%%gpu`` cell in a loop on ``gpus`` GPUs for ``seconds``."""
     import threading
 
-    from .broker import Broker
+    from .broker_process import Broker
     from .cell import _Kernel
 
     tmp = tempfile.mkdtemp(prefix="glsoak")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import broker as broker_bench
+from . import broker_process
 from .load_checks import HOLDING, LoadResult, Witness
 
 TIMEOUT = 60.0  # seconds for one request; more is an error
@@ -73,7 +73,7 @@ class LoadBroker:
         self.proc = subprocess.Popen([sys.executable, "-m", "lease_broker", *self.args], stdout=log,
                                      stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
         deadline = time.monotonic() + timeout
-        from .broker import probe_info
+        from .broker_process import probe_info
 
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -120,7 +120,7 @@ def _raise_fd_limit(need: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- HTTP
-class Conn(broker_bench.Conn):
+class Conn(broker_process.Conn):
     """One keep-alive HTTP/1.1 connection (Unix socket, or TCP with a bearer token); every call times out."""
 
     @classmethod

@@ -16,7 +16,8 @@ import tempfile
 import time
 from typing import Any
 
-from .broker import Broker, grant_latency
+from .broker import grant_latency
+from .broker_process import Broker
 from .report import Figure, figure
 
 TITLE = "Scheduling with a deep queue"
