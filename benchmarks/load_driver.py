@@ -10,7 +10,6 @@ import asyncio
 import os
 import random
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -85,8 +84,7 @@ class LoadBroker:
 
     def cpu_seconds(self) -> float:
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return broker_process.cpu_seconds(self.proc.pid)
 
     def log(self) -> str:
         try:
@@ -95,13 +93,7 @@ class LoadBroker:
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        broker_process.stop_process(self.proc)
 
 
 def _free_port() -> int:
