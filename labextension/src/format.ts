@@ -149,9 +149,23 @@ export function parseDuration(text: string): number | null {
   return total > 0 ? total : null;
 }
 
-/** A local wall-clock time ("14:32"; with the date when it is not today). */
-export function formatClock(epoch: number): string {
+/**
+ * A local wall-clock time: "14:32" today, "tomorrow 00:07", "Fri 09:15" within the week ahead, the date otherwise
+ * (the clock's format is the browser's locale).
+ */
+export function formatClock(epoch: number, now: Date = new Date()): string {
   const d = new Date(epoch * 1000);
   const time = d.toLocaleTimeString([], { hour: '2-digit', minute: '2-digit' });
-  return d.toDateString() === new Date().toDateString() ? time : `${d.toLocaleDateString()} ${time}`;
+  const midnight = (x: Date) => new Date(x.getFullYear(), x.getMonth(), x.getDate()).getTime();
+  const days = Math.round((midnight(d) - midnight(now)) / 86400000);
+  if (days === 0) {
+    return time;
+  }
+  if (days === 1) {
+    return `tomorrow ${time}`;
+  }
+  if (days > 1 && days < 7) {
+    return `${d.toLocaleDateString([], { weekday: 'short' })} ${time}`;
+  }
+  return `${d.toLocaleDateString()} ${time}`;
 }
