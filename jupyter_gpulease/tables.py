@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -91,7 +92,7 @@ def status_text(url: str, status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def gpus_table(gpus: list[dict[str, Any]]) -> str:
+def gpus_table(gpus: list[dict[str, Any]], now: float | None = None) -> str:
     """The GPUs (``BrokerClient.gpus()["gpus"]``): node, index, name, memory, utilisation, state, holders."""
     if not gpus:
         return "No GPUs."
@@ -100,7 +101,7 @@ def gpus_table(gpus: list[dict[str, Any]]) -> str:
         holders = ", ".join(h["user"] + ("" if h["fraction"] == 1 else f" ({h['fraction']:g})") for h in g["holders"])
         rows.append([g["node"], g["index"], g["name"] + (" [sim]" if g["simulated"] else ""),
                      f"{fmt_bytes(g['memory_used'])}/{fmt_bytes(g['memory_total'])}", f"{g['utilization']:.0f}%",
-                     _gpu_state(g), holders])
+                     _gpu_state(g, time.time() if now is None else now), holders])
     return table(["NODE", "IDX", "NAME", "MEMORY", "UTIL", "STATE", "HELD BY"], rows)
 
 
@@ -177,10 +178,10 @@ def usage_csv(rows: list[Mapping[str, Any]], by: str) -> str:
     return out.getvalue().rstrip("\n")
 
 
-def _gpu_state(g: dict[str, Any]) -> str:
+def _gpu_state(g: dict[str, Any], now: float) -> str:
     r = g.get("reservation")
     if g["state"] == "reserved" and r:
-        return f"reserved ({r['user'] or '@' + r['group']} until {time.strftime('%H:%M', time.localtime(r['end']))})"
+        return f"reserved ({r['user'] or '@' + r['group']} until {fmt_clock(r['end'], now)})"
     return str(g["state"])
 
 
@@ -200,6 +201,21 @@ def leases_table(leases: list[LeaseView]) -> str:
         devs = ",".join(f"{d['node']}:{d['index']}" for d in lease.devices) or "-"
         rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, lease.reason])
     return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "REASON"], rows)
+
+
+def fmt_clock(t: float, now: float) -> str:
+    """A local wall-clock time as the sidebar writes one: "14:32" today, "tomorrow 00:07", "Fri 09:15" within the
+    week ahead, the date before it otherwise (days are calendar days, across daylight-saving changes too)."""
+    day, today = datetime.date.fromtimestamp(t), datetime.date.fromtimestamp(now)
+    days = (day - today).days
+    hm = time.strftime("%H:%M", time.localtime(t))
+    if days == 0:
+        return hm
+    if days == 1:
+        return f"tomorrow {hm}"
+    if 1 < days < 7:
+        return f"{day.strftime('%a')} {hm}"
+    return f"{day.isoformat()} {hm}"
 
 
 def local_time(t: float) -> str:
