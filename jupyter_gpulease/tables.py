@@ -206,16 +206,15 @@ def leases_table(leases: list[LeaseView]) -> str:
 def fmt_clock(t: float, now: float) -> str:
     """A local wall-clock time as the sidebar writes one: "14:32" today, "tomorrow 00:07", "Fri 09:15" within the
     week ahead, the date before it otherwise (days are calendar days, across daylight-saving changes too)."""
-    day, today = datetime.date.fromtimestamp(t), datetime.date.fromtimestamp(now)
-    days = (day - today).days
-    hm = time.strftime("%H:%M", time.localtime(t))
+    at = datetime.datetime.fromtimestamp(t)
+    days = (at.date() - datetime.date.fromtimestamp(now)).days
     if days == 0:
-        return hm
+        return at.strftime("%H:%M")
     if days == 1:
-        return f"tomorrow {hm}"
+        return at.strftime("tomorrow %H:%M")
     if 1 < days < 7:
-        return f"{day.strftime('%a')} {hm}"
-    return f"{day.isoformat()} {hm}"
+        return at.strftime("%a %H:%M")
+    return local_time(t)
 
 
 def local_time(t: float) -> str:

@@ -14,7 +14,9 @@ import pytest
 
 FORMAT_JS = Path(__file__).resolve().parent.parent / "labextension" / "lib" / "format.js"
 
-# NOW (below): Wednesday 25 November 2026, 23:57 local time; each case is a local time and what the sidebar says of it
+NOW = (2026, 11, 25, 23, 57)  # a Wednesday, local time
+
+# each case: a local time and what the sidebar says of it at NOW
 CASES = [
     ((2026, 11, 25, 23, 59), "23:59"),  # today: the time alone
     ((2026, 11, 26, 0, 7), "tomorrow 00:07"),  # ten minutes on, past midnight
@@ -23,9 +25,6 @@ CASES = [
     ((2026, 11, 24, 9, 15), "24/11/2026 09:15"),  # in the past: the date
     ((2027, 3, 28, 12, 0), "28/03/2027 12:00"),
 ]
-
-
-NOW = (2026, 11, 25, 23, 57)
 
 
 def format_clocks(times: list[tuple[int, ...]], tz: str, locale: str, now: tuple[int, ...] = NOW) -> list[str]:
