@@ -10,19 +10,31 @@ import subprocess
 import pytest
 
 SECOND_USER = "gpulease-test"
+THIRD_USER = "gpulease-test3"
+
+
+def _user(name: str):
+    """The real Unix user ``name``, created (no home, no shell) if missing."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create and switch to other Unix users (CI runs as root)")
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    return pwd.getpwnam(name)
 
 
 @pytest.fixture(scope="session")
 def second_user():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create and switch to a second Unix user (CI runs as root)")
-    import pwd
+    return _user(SECOND_USER)
 
-    try:
-        pwd.getpwnam(SECOND_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", SECOND_USER], check=True)
-    return pwd.getpwnam(SECOND_USER)
+
+@pytest.fixture(scope="session")
+def third_user():
+    """Another user again: the attacker when the second user is the victim."""
+    return _user(THIRD_USER)
 
 
 
