@@ -72,3 +72,8 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .demo build dist .hub-proxy
+
+# The checks that need a real NVIDIA GPU (issue 33: real NVML, the CUDA checkpoint API on ~10 GiB, the pickling
+# baseline), one bounded run writing gpu_check.json to $$OUT: the machine's own python3 (with PyTorch), not the venv
+.PHONY: gpu-check
+gpu-check: ; PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py

@@ -73,7 +73,7 @@ def event_costs(queued: int, reps: int) -> tuple[list[float], list[float], list[
     try:
         db = os.path.join(tmp, "leases.db")
         fill_queue(db, queued, "bench", os.getuid(), blockers=True)
-        policy = LeasePolicy(unix_groups=False, heartbeat_timeout=0)
+        policy = LeasePolicy(unix_groups=False, heartbeat_timeout=0, max_queued_per_user=0)  # (one user queues them all)
         m = LeaseManager(Store(db), SimulatedInventory(gpus=NODES * PER_NODE, nodes=NODES), policy,
                          clock=VirtualClock(time.time()))
         m.restore()
@@ -117,6 +117,7 @@ def interleaved_grants(tmp: str, deep: int, rounds: int, block: int
     brokers = {}
     for name, queued in (("empty", 0), ("deep", deep)):
         b = brokers[name] = Broker(os.path.join(tmp, name), gpus=NODES * PER_NODE, nodes=NODES)
+        b.args.append("--LeasePolicy.max_queued_per_user=0")  # (one user queues them all: no cap)
         os.makedirs(b.workdir)
         fill_queue(b.db, queued, user_name(os.getuid()), os.getuid(), blockers=True)
     out: dict[str, tuple[list[float], list[float]]] = {"empty": ([], []), "deep": ([], [])}

@@ -10,15 +10,31 @@ So where a broker listens by default and where a client looks differ in one way 
 running system broker even when the user has a per-user socket (a user's own broker then needs
 ``GPULEASE_BROKER``); and a broker does not read ``GPULEASE_BROKER``.
 
-A client presents ``client_token()`` as ``Authorization: Bearer <token>``: ``GPULEASE_TOKEN`` (a token the broker's
-admin issued), else ``JUPYTERHUB_API_TOKEN`` (which JupyterHub gives every single-user server and its kernels; a
-broker with ``LeaseBroker.identity = 'hub'`` learns the user from the Hub with it, one in 'unix' mode ignores it on
-its Unix socket). So under JupyterHub there is nothing for a user to set up.
+**A socket a client can trust.** Before a client sends anything over a Unix socket it checks, with
+``private.trusted_path``, that the socket and every directory above it belong to the user or root and that no
+other user can replace them (so a name in ``/tmp`` that another user made first is refused); after connecting it
+checks the server's uid with ``SO_PEERCRED``: root or the user, nobody else. ``connect_unix`` is that one check,
+and every client (``BrokerClient`` through ``http1``, the ``gpulease`` CLI, the Jupyter server extension and its
+event relay) connects through it. A refusal is an ``UntrustedSocket`` that names the socket, the owner found and
+the fix; nothing was sent.
+
+**Tokens.** ``client_token()`` is ``GPULEASE_TOKEN`` (a token the broker's admin issued), else
+``JUPYTERHUB_API_TOKEN`` (which JupyterHub gives every single-user server and its kernels). Over TCP a client
+presents it as ``Authorization: Bearer <token>`` on every request. Over a Unix socket the uid names the caller, so
+it is not sent: only when the broker asks for a token on that socket (``asks_for_token``: a 401 with a
+``WWW-Authenticate: Bearer`` challenge, as a broker with ``LeaseBroker.identity = 'hub'`` answers) does the client
+send the request again with it, and from then on, and only to a server that passed the checks above. So under
+JupyterHub there is still nothing for a user to set up. A token a program passes explicitly
+(``BrokerClient(token=...)``) is presented as given, over the socket too (to a server that passed the checks).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
+
+from .private import UnsafePathError, _who, trusted_path
 
 SYSTEM_SOCKET = "/run/gpulease/broker.sock"
 
@@ -54,3 +70,69 @@ def client_token() -> str | None:
 def auth_headers(token: str | None) -> dict[str, str]:
     """The request headers that present ``token`` (none for no token)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def asks_for_token(status: int, www_authenticate: str | None) -> bool:
+    """Whether an answer asks the client for a token: 401 with a ``Bearer`` (or ``token``) challenge."""
+    scheme = (www_authenticate or "").strip().split(" ", 1)[0].lower()
+    return status == 401 and scheme in ("bearer", "token")
+
+
+class UntrustedSocket(UnsafePathError):
+    """A broker socket the client refused before sending anything: the message names it, who owns or serves it and
+    what to do."""
+
+
+_FIX = "ask root or your admin to remove it, or point GPULEASE_BROKER at a broker you or root run"
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def check_socket(path: str) -> None:
+    """Refuse the socket ``path`` unless it and its directories belong to the user or root and no other user can
+    replace them (``private.trusted_path``). A missing socket is ``FileNotFoundError`` as usual."""
+    try:
+        trusted_path(path)
+    except UnsafePathError as e:
+        raise UntrustedSocket(f"Refusing the broker socket {path} (nothing was sent): {e} (GPULEASE_BROKER "
+                              "chooses another broker)") from None
+    except PermissionError:
+        # a directory on the way that this user may not enter: name its owner if it is another user
+        here = os.path.dirname(os.path.abspath(path))
+        while True:
+            try:
+                owner = os.lstat(here).st_uid
+            except OSError:
+                owner = None
+            if owner is not None and owner not in (0, os.geteuid()):
+                raise UntrustedSocket(f"Refusing the broker socket {path} (nothing was sent): {here} belongs to "
+                                      f"{_who(owner)}, who could answer in your place: {_FIX}") from None
+            if os.path.dirname(here) == here:
+                raise
+            here = os.path.dirname(here)
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Refuse the server at the other end of the connected Unix socket ``sock`` unless it runs as root or as this
+    user (``SO_PEERCRED``: the credentials of the process that listens). Not on systems without ``SO_PEERCRED``."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
+    if uid not in (0, os.geteuid()):
+        raise UntrustedSocket(f"Refusing the broker at {path} (nothing was sent): it is served by {_who(uid)} "
+                              f"(pid {pid}), not by you or root, who could answer in your place: {_FIX}")
+
+
+def connect_unix(path: str, timeout: float | None) -> socket.socket:
+    """A connection to the broker's Unix socket ``path``, made only if the socket can be trusted (``check_socket``)
+    and checked for the server's uid (``check_peer``) before it is returned: the one way a client connects."""
+    check_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        check_peer(sock, path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -39,9 +39,13 @@ def _who(uid: int) -> str:
         return f"uid {uid}"
 
 
-def private_dir(path: str) -> str:
+def private_dir(path: str, mode: int = 0o700) -> str:
     """``path`` as a directory of the effective user's own, mode 0700: made if missing (its parent must exist),
-    else accepted only if it is a directory (not a link) that the user owns and nobody else can use. Returns it."""
+    else accepted only if it is a directory (not a link) that the user owns and nobody else can use. Returns it.
+    ``mode``: 0750 lets the directory's group read it (a lease's artifacts, when the admin says so); never
+    writable by anyone but the user."""
+    if mode & 0o022 or (mode & 0o700) != 0o700:
+        raise ValueError(f"private_dir: mode {mode:o} would let others write or the user not use {path}")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -56,16 +60,17 @@ def private_dir(path: str) -> str:
         if st.st_uid != os.geteuid():
             raise UnsafePathError(f"{path} belongs to {_who(st.st_uid)}, not to you: another user made it first. "
                                   "Remove it (as root or its owner) or choose another place")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)  # ours: close it (an older version made it 0755, or the umask did)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)  # ours: close it (an older version made it 0755, or the umask did)
     finally:
         os.close(fd)
     return path
 
 
-def create_private(path: str) -> int:
-    """A new file at ``path``, 0600, open for writing; never an existing file, never through a link."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+def create_private(path: str, mode: int = 0o600) -> int:
+    """A new file at ``path``, 0600, open for writing; never an existing file, never through a link. (``mode``:
+    0640 for a group that may read it, as ``private_dir``'s.)"""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode & 0o640)
 
 
 def open_private(path: str, flags: int = os.O_RDONLY) -> int:
@@ -92,16 +97,19 @@ def open_private(path: str, flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def trusted_path(path: str, owners: frozenset[int] | None = None) -> None:
+def trusted_path(path: str, owners: frozenset[int] | None = None, missing_ok: bool = False) -> None:
     """Refuse ``path`` unless it and every directory above it belong to one of ``owners`` (default: the effective
     user and root) and none can be changed by another user: not writable by group or others, except a sticky
     directory (``/tmp``, ``/dev/shm``), whose entries only their owners may rename or remove. ``path`` need not
     be a directory (a socket: its mode does not matter, only who owns it and the directories above it). The
     directory that holds ``path`` must not be writable by others even if sticky: nobody else may create the name
-    before its owner does."""
+    before its owner does. ``missing_ok``: a ``path`` that does not exist yet (a file about to be made: a broker's
+    socket or store) is checked through the directory that will hold it, which must exist."""
     allowed = owners if owners is not None else frozenset({os.geteuid(), 0})
     path = os.path.abspath(path)
     current = path
+    if missing_ok and not os.path.lexists(path):
+        current = os.path.dirname(path)
     while True:
         st = os.lstat(current)
         if stat.S_ISLNK(st.st_mode):

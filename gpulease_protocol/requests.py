@@ -28,18 +28,24 @@ class RequestSyntaxError(ValueError):
     """A request value that does not parse; the message quotes it and says what to give instead."""
 
 
+def quoted(value: Any) -> str:
+    """A value as an error quotes it: a number of 4,000 digits by its first digits and its length."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}…({len(text)} characters)"
+
+
 def parse_duration(value: Any, what: str = "duration") -> float:
     """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1d"`` (0 means the policy's default)."""
     if isinstance(value, bool):
         raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m'")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = float(value) if not isinstance(value, int) or abs(value) < MAX_SECONDS else float(MAX_SECONDS)
     elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
         seconds = float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
     else:
         raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m' or '2h'")
     if not (0 <= seconds < MAX_SECONDS) or seconds != seconds:
-        raise RequestSyntaxError(f"Invalid {what} {value!r}: must be between 0 and 10 years")
+        raise RequestSyntaxError(f"Invalid {what} {quoted(value)}: must be between 0 and 10 years")
     return seconds
 
 

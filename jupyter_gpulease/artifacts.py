@@ -5,6 +5,11 @@
 The root is a local (or shared, e.g. NFS) path by default, or any fsspec URL. For a
 remote root the worker writes to a local staging directory that is uploaded when the
 cell ends.
+
+A lease's directory is its user's only: 0700, and everything in it 0600 once the lease ends (the cell's own files
+too), so that another user cannot read what a cell printed (an ``API_KEY=...``) or saved. With
+``GpuMagics.artifacts_group_readable`` the directory's group may read them (0750 and 0640); nobody else ever writes
+them. The directory is made with ``private_dir``: one that another user made first is refused, never used.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import urllib.parse
@@ -21,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+
+from .worker.env import lease_dir
 
 
 def default_root() -> str:
@@ -46,23 +54,33 @@ class ArtifactDir:
     has answered) makes whatever is still missing.
     """
 
-    def __init__(self, root: str, lease_id: str) -> None:
+    def __init__(self, root: str, lease_id: str, group_readable: bool = False) -> None:
         self.root, self.lease_id = root, lease_id
+        #: the directory's mode (the worker makes it so too: the job's ``artifacts_mode``), and its files'
+        self.mode = 0o750 if group_readable else 0o700
+        self.file_mode = self.mode & 0o640
         self.url = root.rstrip("/") + "/" + lease_id
         local = local_root(root)
         if local is not None:
             self.local = os.path.join(local, lease_id)
             self._staged = False
         else:
+            # private as it is: mkdtemp makes a new directory of a random name, 0700, and never uses an existing one
             self.local = tempfile.mkdtemp(prefix=f"gpulease-{lease_id}-")
             self._staged = True
         self._log: Any = None  # output.log, once there is output (or at finish)
         self._closed = False
 
+    def _make(self) -> None:
+        if not self._staged:
+            lease_dir(self.local, self.mode)
+
     def _open_log(self) -> Any:
         if self._log is None:
-            os.makedirs(self.local, exist_ok=True)
-            self._log = open(os.path.join(self.local, "output.log"), "a", encoding="utf-8")
+            self._make()
+            fd = os.open(os.path.join(self.local, "output.log"),
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
+            self._log = open(fd, "a", encoding="utf-8")
         return self._log
 
     def log(self, text: str) -> None:
@@ -76,10 +94,18 @@ class ArtifactDir:
                   file=sys.stderr)
 
     def finish(self, meta: dict[str, Any]) -> None:
+        """Close ``output.log``, make what the cell wrote the user's only (or its group's to read), and write
+        ``meta.json`` last (whole, under its name at once)."""
         self._open_log().close()
         self._closed = True
-        with open(os.path.join(self.local, "meta.json"), "w", encoding="utf-8") as f:
+        self._make()
+        seal(self.local, self.mode)
+        tmp = os.path.join(self.local, f".meta.json.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
+        with open(fd, "w", encoding="utf-8") as f:
+            os.fchmod(fd, self.file_mode)  # exactly, whatever the umask
             json.dump(meta, f, indent=1, default=str)
+        os.replace(tmp, os.path.join(self.local, "meta.json"))
         if self._staged:
             fs, path = fsspec.core.url_to_fs(self.url)
             fs.put(self.local.rstrip("/") + "/", path, recursive=True)
@@ -88,6 +114,27 @@ class ArtifactDir:
     @property
     def display_path(self) -> str:
         return self.local if not self._staged else self.url
+
+
+def seal(top: str, mode: int) -> None:
+    """Everything under ``top`` (a lease's directory: what the cell wrote) the user's only, or with ``mode`` 0750 its
+    group's to read too: the owner's bits kept, the group's at most read and search, nothing for others. Links are
+    not followed."""
+    group = bool(mode & 0o050)
+    me = os.geteuid()
+    for parent, dirs, files in os.walk(top):
+        for name in (*dirs, *files):
+            path = os.path.join(parent, name)
+            try:
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode) or st.st_uid != me:
+                    continue
+                own = st.st_mode & 0o700
+                want = own | ((own & 0o500) >> 3 if group else 0)
+                if stat.S_IMODE(st.st_mode) != want:
+                    os.chmod(path, want)
+            except OSError:  # gone meanwhile
+                continue
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 Synchronous and dependency-free (a small HTTP/1.1 client of its own, ``http1``), so it works in a kernel, a
 worker, a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
-(``unix:///path/to.sock`` or ``http://host:port``), else the default socket, and
-presents ``GPULEASE_TOKEN`` or, under JupyterHub, ``JUPYTERHUB_API_TOKEN``
-(``gpulease_protocol.address``). A lease comes back as a ``LeaseView``.
+(``unix:///path/to.sock`` or ``http://host:port``), else the default socket; a Unix socket is used only if it and
+the server behind it are the user's own or root's. ``GPULEASE_TOKEN`` or, under JupyterHub, ``JUPYTERHUB_API_TOKEN``
+is presented over TCP, and over a Unix socket only when the broker asks for it (``gpulease_protocol.address``).
+A lease comes back as a ``LeaseView``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpulease_protocol.address import auth_headers, broker_url, client_token
+from gpulease_protocol.address import UntrustedSocket, asks_for_token, auth_headers, broker_url, client_token
 
 from . import http1
 
@@ -114,12 +115,25 @@ class BrokerUnreachable(BrokerError):
         )
 
 
+class BrokerUntrusted(BrokerError):
+    """The client refused the broker's Unix socket before sending anything: another user owns it or its directory,
+    can replace it, or serves it (``gpulease_protocol.address.UntrustedSocket``)."""
+
+    def __init__(self, err: UntrustedSocket) -> None:
+        super().__init__(503, "untrusted_socket", str(err))
+
+
 class BrokerClient:
-    """Thread-safe (one connection per thread) client of the broker's REST API."""
+    """Thread-safe (one connection per thread) client of the broker's REST API.
+
+    ``token``: presented on every request (``""``: none). None (the default): the environment's
+    (``address.client_token()``), presented over TCP, and over a Unix socket only once the broker asked for it."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
         self.url = url or broker_url()
-        self.token = token if token is not None else client_token()
+        self.token = token
+        self._ambient = client_token() if token is None else None
+        self._asked = False  # the broker answered a Unix-socket request with a token challenge
         self.timeout = timeout
         parsed = urllib.parse.urlparse(self.url)
         if parsed.scheme == "unix":
@@ -148,23 +162,38 @@ class BrokerClient:
             conn.close()
             self._local.conn = None
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
-        headers = {"Accept": "application/json", **auth_headers(self.token)}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
+    def _token(self) -> str | None:
+        """The token to present now: an explicit one always; the environment's over TCP, and over a Unix socket
+        once the broker asked for it (the connection was checked by ``address.connect_unix`` before anything)."""
+        if self.token is not None:
+            return self.token or None
+        return self._ambient if self._unix is None or self._asked else None
+
+    def _send(self, method: str, path: str, data: bytes | None, timeout: float) -> http1.Answer:
+        headers = {"Accept": "application/json", **auth_headers(self._token())}
+        if data is not None:
             headers["Content-Type"] = "application/json"
-        to = timeout if timeout is not None else self.timeout
         for attempt in (0, 1):
             try:
-                answer = self._conn(to).request(method, path, headers, data)
-                break
+                return self._conn(timeout).request(method, path, headers, data)
             except http1.Stale as e:  # a kept-alive connection the server closed meanwhile: once more on a new one
                 if attempt == 0:
                     continue
                 raise BrokerUnreachable(self.url, e) from None
+            except UntrustedSocket as e:
+                raise BrokerUntrusted(e) from None
             except OSError as e:  # ConnectionError, socket.timeout, BadAnswer, ...
                 raise BrokerUnreachable(self.url, e) from None
+        raise AssertionError("not reached: the loop returns or raises")
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        to = timeout if timeout is not None else self.timeout
+        answer = self._send(method, path, data, to)
+        if (self._unix is not None and self.token is None and self._ambient and not self._asked
+                and asks_for_token(answer.status, answer.headers.get("www-authenticate"))):
+            self._asked = True  # this broker names its callers by token on its socket too (identity 'hub')
+            answer = self._send(method, path, data, to)
         payload: dict[str, Any]
         try:
             payload = json.loads(answer.body) if answer.body else {}

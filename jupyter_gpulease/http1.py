@@ -10,13 +10,16 @@ on bytes.
 
 What it handles: ``Content-Length`` and ``chunked`` bodies, an answer without either (read to the end),
 ``Connection: close``, and the one error a kept-alive connection may meet that is no one's fault: the server
-closed it while it was idle (:class:`Stale`, so the caller may send again on a new one).
+closed it while it was idle (:class:`Stale`, so the caller may send again on a new one). A Unix socket is connected
+through ``gpulease_protocol.address.connect_unix``: only to a socket and a server of the user's own or root's.
 """
 
 from __future__ import annotations
 
 import socket
 from typing import NamedTuple
+
+from gpulease_protocol.address import connect_unix
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 
@@ -78,15 +81,8 @@ class Connection:
         return answer
 
     def _connect(self) -> socket.socket:
-        if self.unix_path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(self.unix_path)
-            except OSError:
-                sock.close()
-                raise
-            return sock
+        if self.unix_path is not None:  # only to a socket and a server of the user's own or root's
+            return connect_unix(self.unix_path, self.timeout)
         sock = socket.create_connection((self.host, self.port), self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock

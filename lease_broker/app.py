@@ -11,25 +11,27 @@ import sys
 from typing import Any
 
 from tornado import ioloop
-from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Unicode, default, validate
 from traitlets.config import Application, catch_config_error
 
 from gpulease_protocol import address
 
 from . import __version__
-from .api.auth import MODES, Authenticator, admin_check
+from .api.auth import MODES, Admins, Authenticator
 from .api.hub import HubIdentity, remembering
 from .core.clock import Clock
 from .core.errors import LeaseError
-from .core.identity import hash_secret, new_token
+from .core.identity import Namespaces, hash_secret, new_token
+from .host.users import forget_groups
 from .inventory import Inventory, inventory_class
 from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager.manager import LeaseManager
 from .notify.notifier import Notifier
 from .policy.lease_policy import LeasePolicy
-from .service import BrokerService
+from .service import BrokerService, trusted_place
 from .store.lease_store import Store
+from .store.lock import StoreLock
 from .store.notify_store import NotifyStore
 
 
@@ -98,10 +100,37 @@ class LeaseBroker(Application):
         "token, never a uid (containers that share uids: DockerSpawner, KubeSpawner; see HubIdentity). "
         "'unix+hub': a token when one is sent, else the Unix socket's uid.",
     )
-    admin_users = List(Unicode(), config=True, help="User names that act on every lease, e.g. ['alice'].")
+    admin_users = List(
+        Unicode(), config=True,
+        help="Unix user names that act on every lease (and names of broker tokens), e.g. ['alice']. JupyterHub users "
+        "are named in hub_admin_users.",
+    )
     admin_groups = List(
         Unicode(), config=True,
-        help="Groups whose members are admins: Unix groups, and JupyterHub groups for Hub users. Example: ['gpuadmin'].",
+        help="Unix groups whose members act on every lease, e.g. ['gpuadmin']; membership is read again at least "
+        "every admin_cache_seconds and on SIGHUP. JupyterHub groups are named in hub_admin_groups.",
+    )
+    hub_admin_users = List(
+        Unicode(), config=True,
+        help="JupyterHub user names that act on every lease (identity 'hub' or 'unix+hub'), e.g. ['carol']. A Hub "
+        "user is never an admin by sharing a name with a Unix admin.",
+    )
+    hub_admin_groups = List(
+        Unicode(), config=True,
+        help="JupyterHub groups whose members act on every lease, as the Hub names them with each token "
+        "(identity 'hub' or 'unix+hub'), e.g. ['gpu-admins'].",
+    )
+    hub_users_are_unix_users = Bool(
+        False, config=True,
+        help="Whether a JupyterHub user is the Unix user of the same name (the Hub's names are this host's users, "
+        "e.g. PAM or LocalProcessSpawner): then leases, quotas and admin lists are shared between them. False: "
+        "two principals; under identity 'unix+hub' a Hub user's leases are owned by 'hub:NAME'. Example: True.",
+    )
+    admin_cache_seconds = Float(
+        60.0, config=True,
+        help="Seconds a user's Unix group membership is kept for admin_groups before it is read again (SIGHUP "
+        "reads it again at once): a member removed from an admin group stops being an admin within this many "
+        "seconds. 0 = read it on every request. Example: 60.",
     )
     root_is_admin = Bool(True, config=True, help="Whether uid 0 on the Unix socket is an admin (never with identity 'hub').")
     tick_seconds = Float(1.0, config=True, help="Seconds between enforcement ticks (expiry, idleness). Example: 1.")
@@ -109,6 +138,19 @@ class LeaseBroker(Application):
     request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body after its headers (a connection that "
                             "stalls longer is closed, found by a sweep every quarter of this, at most every 5 s; headers "
                             "get 10 times this). Example: 30.")
+    max_connections = Integer(
+        0, config=True,
+        help="Connections the broker keeps open at once, from everyone (each holds a file descriptor); one more is "
+        "answered 503 with Retry-After and closed. 0 = as many as the limit of open files allows (the broker raises "
+        "its soft limit to the hard one and keeps 96 descriptors for itself), never more. Example: 4000.",
+    )
+    max_connections_per_peer = Integer(
+        1000, config=True,
+        help="Connections one peer may keep open at once: one uid on the Unix socket, one address over TCP (raise it "
+        "where many people share one: containers with one uid, a proxy); one more is answered 429 with Retry-After "
+        "and closed. Held to half of max_connections, so one peer always leaves room for others. 0 = no limit per "
+        "peer. Example: 1000.",
+    )
     config_file = Unicode("lease_broker_config.py", config=True, help="Config file to load (Python, traitlets).")
     generate_config = Bool(False, config=True, help="Print a config file documenting every option, then exit.")
 
@@ -150,6 +192,20 @@ class LeaseBroker(Application):
         base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
         return os.path.join(base, "gpulease", "leases.db")
 
+    @validate("admin_cache_seconds")
+    def _valid_admin_cache(self, proposal: dict[str, Any]) -> float:
+        value = proposal["value"]
+        if not (value >= 0 and value != float("inf")):
+            raise ValueError(f"LeaseBroker.admin_cache_seconds={value!r}: must be a number of seconds >= 0")
+        return float(value)
+
+    @validate("max_connections", "max_connections_per_peer")
+    def _valid_connections(self, proposal: dict[str, Any]) -> int:
+        if proposal["value"] < 0:
+            raise ValueError(f"LeaseBroker.{proposal['trait'].name}={proposal['value']!r}: must be >= 0 (0 = no limit "
+                             "of its own)")
+        return int(proposal["value"])
+
     @default("log_level")
     def _log_level(self) -> int:
         return logging.INFO
@@ -171,9 +227,16 @@ class LeaseBroker(Application):
             logging.getLogger(name).propagate = False
         self.policy = LeasePolicy(parent=self)
         if self.identity != "unix":
-            self.hub = HubIdentity(parent=self)
+            self.hub = HubIdentity(parent=self, namespaces=self.namespaces())
             self.hub.start()
+            if self.identity == "hub" and not self.hub_users_are_unix_users and (self.admin_users or self.admin_groups):
+                self.log.warning("LeaseBroker.admin_users and admin_groups name Unix users and groups, which identity "
+                                 "'hub' does not know: name JupyterHub admins in LeaseBroker.hub_admin_users and "
+                                 "hub_admin_groups (or set LeaseBroker.hub_users_are_unix_users = True)")
         self.inventory = self._make_inventory()
+
+    def namespaces(self) -> Namespaces:
+        return Namespaces.of(self.identity, self.hub_users_are_unix_users)
 
     def _make_inventory(self) -> Inventory:
         name = self.inventory_name
@@ -196,10 +259,19 @@ class LeaseBroker(Application):
             return
         assert self.inventory is not None
         if self.db_path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(self.db_path)), mode=0o700, exist_ok=True)
+            directory = os.path.dirname(os.path.abspath(self.db_path))
+            try:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise LeaseError(f"Cannot make the lease store's directory {directory} ({e.strerror}): point --db "
+                                 "(LeaseBroker.db_path) at a file in a directory the broker can make or write",
+                                 reason="startup") from None
+            trusted_place(self.db_path, "the lease store", "--db")  # no other user may delete or replace it
         # Restoring builds an object per lease and per GPU: without the cyclic GC, which would traverse them all
         # again and again meanwhile (a third of a 10,000-lease restart). Frozen afterwards, these long-lived
         # objects are not traversed by later collections either, which would otherwise stall requests.
+        lock = StoreLock(self.db_path)  # one broker per store, for this process's whole life (store/lock.py)
+        lock.acquire()
         gc.disable()
         try:
             store = Store(self.db_path)
@@ -211,14 +283,16 @@ class LeaseBroker(Application):
             gc.freeze()
             gc.enable()
         hub = self.hub
-        is_admin = admin_check(set(self.admin_users), set(self.admin_groups), self.root_is_admin)
-        auth = Authenticator(store, is_admin, self.identity, hub,
-                             remembering(self.policy.learn_groups, manager.admin_store.remember_groups))
+        admins = Admins(self.namespaces(), self.admin_users, self.admin_groups, self.hub_admin_users,
+                        self.hub_admin_groups, self.root_is_admin, self.admin_cache_seconds)
+        auth = Authenticator(store, admins, self.identity, hub,
+                             remembering(self.policy.learn_groups, manager.admin_store.remember_groups),
+                             self.namespaces())
         info = {"version": __version__, "broker": self.name}
         notifier = Notifier(NotifyStore(store), manager.events.subscribe, self.policy.groups_of,
                             email_of=hub.email_of if hub is not None else None, parent=self)
         service = BrokerService(manager, auth, info, self.tick_seconds, self.sample_seconds, self.request_timeout,
-                                notifier)
+                                notifier, self.max_connections, self.max_connections_per_peer)
         where = []
         if self.socket_path:
             service.listen_unix(self.socket_path)
@@ -238,8 +312,12 @@ class LeaseBroker(Application):
         loop = ioloop.IOLoop.current()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_event_loop().add_signal_handler(sig, lambda: loop.add_callback_from_signal(loop.stop))
-        asyncio.get_event_loop().add_signal_handler(  # SIGHUP: re-read the config file, apply its policy
-            signal.SIGHUP, lambda: manager.policy_admin.reload_file(self.config_file, self.cli_config))
+        def reload() -> None:  # SIGHUP: read Unix groups again, re-read the config file, apply its policy
+            admins.forget()
+            forget_groups()
+            manager.policy_admin.reload_file(self.config_file, self.cli_config)
+
+        asyncio.get_event_loop().add_signal_handler(signal.SIGHUP, reload)
         # announce readiness last, so supervisors and tests can wait for it
         print(f"lease-broker ready: {' '.join(where)}", flush=True)
         try:
@@ -247,6 +325,7 @@ class LeaseBroker(Application):
         finally:
             service.stop()
             store.close()
+            lock.release()
             self.inventory.close()
 
 

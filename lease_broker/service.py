@@ -12,9 +12,12 @@ from typing import Any
 
 from tornado import ioloop, netutil, web
 
+from gpulease_protocol import address
+from gpulease_protocol.private import UnsafePathError, private_dir, trusted_path
+
 from .api.auth import Authenticator
 from .api.base import NotFoundHandler
-from .api.http_server import BrokerHTTPServer
+from .api.http_server import BrokerHTTPServer, ConnectionLimits, raise_descriptor_limit
 from .api.metrics_http import MetricsHandler
 from .api.routes import default_handlers
 from .core.errors import LeaseError
@@ -33,7 +36,8 @@ def make_app(manager: LeaseManager, auth: Authenticator, info: dict[str, Any],
              notifier: Notifier | None = None) -> web.Application:
     ctx = {"manager": manager, "auth": auth, "info": info, "notifier": notifier}
     handlers: list[Any] = [(path, cls, ctx) for path, cls in default_handlers()]
-    handlers.append((r"/metrics", MetricsHandler, {"manager": manager, "notifier": notifier, "cache": {}}))
+    metrics: dict[str, Any] = {"manager": manager, "notifier": notifier, "cache": {}, "auth": auth}
+    handlers.append((r"/metrics", MetricsHandler, metrics))
     handlers.append((r".*", NotFoundHandler, ctx))
     return web.Application(handlers, websocket_ping_interval=20, log_function=_log_request)
 
@@ -46,16 +50,38 @@ def _log_request(handler: web.RequestHandler) -> None:
             1000.0 * handler.request.request_time())
 
 
+def trusted_place(path: str, what: str, option: str) -> None:
+    """Refuse to make ``what`` (the socket, the store) at ``path`` unless ``path`` (if it exists) and every directory
+    above it belong to the broker's user or root and no other user can change them (``private.trusted_path``):
+    another user could delete or replace it, or answer in the broker's place. ``option``: what chooses another path."""
+    try:
+        trusted_path(path, frozenset({os.geteuid(), 0}), missing_ok=True)
+    except UnsafePathError as e:
+        raise StartupError(f"Refusing to create {what} {path}: {e}; or use {option} with a directory of yours") from None
+
+
 def bind_unix(path: str) -> socket.socket:
-    """Bind the broker's Unix socket: mode 0666 (identity comes from SO_PEERCRED)."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise StartupError(
-            f"The socket directory {directory!r} is writable by every user, who could replace the socket: "
-            "chmod o-w it or choose another path with --socket"
-        )
+    """Bind the broker's Unix socket: mode 0666 (identity comes from SO_PEERCRED), in a directory no other user can
+    change. A missing directory is made 0755 by root (the system socket's ``/run/gpulease``, which every user must
+    reach) and 0700 by anyone else (the per-user socket's, ``private_dir``), as is the per-user socket's directory
+    when it exists; any other must already be the broker user's or root's and closed to writes by others."""
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    try:
+        if os.geteuid() == 0:
+            os.makedirs(directory, mode=0o755, exist_ok=True)
+        elif not os.path.lexists(directory) or path == os.path.abspath(address.per_user_socket()):
+            os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
+            private_dir(directory)
+    except UnsafePathError as e:
+        raise StartupError(f"Refusing to create the socket {path}: {e}; or use --socket with a directory of yours") from None
+    except OSError as e:
+        raise StartupError(f"Cannot make the socket's directory {directory} ({e.strerror}): use --socket with a path "
+                           "you own") from None
+    trusted_place(path, "the socket", "--socket")
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):  # never removed: not a stale socket
+        raise StartupError(f"Cannot create the socket {path}: something else is there (not a socket): move it away, "
+                           "or choose another path with --socket")
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -79,12 +105,17 @@ class BrokerService:
 
     def __init__(self, manager: LeaseManager, auth: Authenticator, info: dict[str, Any],
                  tick_seconds: float = 1.0, sample_seconds: float = 2.0, request_timeout: float = 30.0,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, max_connections: int = 0, max_connections_per_peer: int = 0) -> None:
         self.manager = manager
         self.notifier = notifier
         self.app = make_app(manager, auth, info, notifier)
+        # connections within limits below the descriptor limit, raised first to its hard limit (api/http_server.py)
+        self.limits = ConnectionLimits(max_connections, max_connections_per_peer, raise_descriptor_limit())
+        log.info("Connections: at most %d open (limit of open files %d), %s per peer", self.limits.total,
+                 self.limits.descriptors, self.limits.per_peer or "no limit")
         self.server = BrokerHTTPServer(self.app, idle_connection_timeout=request_timeout * 10,
-                                       body_deadline=request_timeout, max_body_size=1 << 20, xheaders=False)
+                                       body_deadline=request_timeout, max_body_size=1 << 20, xheaders=False,
+                                       limits=self.limits)
         self.tick_seconds = tick_seconds
         self.sample_seconds = sample_seconds
         self._timers: list[ioloop.PeriodicCallback] = []

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
@@ -19,7 +20,9 @@ class BrokerProcess:
     """Start, kill -9 and restart a real broker with a simulated (or any) inventory."""
 
     def __init__(self, workdir: Path, gpus: int = 4, nodes: int = 1, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, socket_path: str | None = None) -> None:
+                 env: dict[str, str] | None = None, socket_path: str | None = None,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
+        self.preexec_fn = preexec_fn  # run in the broker's process before it starts (e.g. a lower limit of open files)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         # Unix socket paths are limited to 107 bytes: keep it short
@@ -43,7 +46,7 @@ class BrokerProcess:
         env = {**os.environ, **(self.env or {})}
         env.pop("GPULEASE_BROKER", None)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -75,6 +78,8 @@ class BrokerProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
+        if self.proc is not None:
+            self._account()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -82,6 +87,23 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+    def _account(self) -> None:
+        """For BENCHMARKS.md's reliability section (``GPULEASE_ATTACK_LOG``, set by ``make soak``): what this broker
+        answered with 5xx, the tracebacks it logged, and whether it died of a signal before it was stopped."""
+        path = os.environ.get("GPULEASE_ATTACK_LOG")
+        if not path or self.proc is None:
+            return
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        import re
+
+        record = {"answers_5xx": len(re.findall(r"^\[\S+ W [^\]]*\] 5\d\d (?:GET|POST|PUT|PATCH|DELETE) ", text, re.M)),
+                  "tracebacks": text.count("Traceback (most recent call last)"),
+                  # died of a signal nobody sent (a refusal to start exits 1 or 2, with no traceback)
+                  "crashed": int(self.proc.poll() is not None and self.proc.returncode < 0
+                                 and self.proc.returncode not in (-9, -15))}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def restart(self) -> "BrokerProcess":
         self.stop()

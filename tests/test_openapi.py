@@ -100,7 +100,7 @@ def check_answer(method: str, template: str, status: int, headers: http.client.H
             assert int(value) >= header["schema"].get("minimum", 0)
     if media != "application/json":
         return raw
-    body = json.loads(raw)
+    body = strict_json(raw)
     where = ("paths", template, method.lower(), "responses", str(status))
     if "$ref" in documented[str(status)]:
         where = ("components", "responses", documented[str(status)]["$ref"].rsplit("/", 1)[1])
@@ -109,6 +109,18 @@ def check_answer(method: str, template: str, status: int, headers: http.client.H
         f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5]
     )
     return body
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def strict_json(raw: bytes) -> Any:
+    """An answer parsed as strict JSON (RFC 8259), as a strict client would: UTF-8, no NaN or Infinity, no lone
+    surrogate (escaped as ``\\ud800`` it passes Python's parser; it is no Unicode text)."""
+    data = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
+    json.dumps(data, ensure_ascii=False).encode("utf-8")
+    return data
 
 
 class Unix(http.client.HTTPConnection):
@@ -352,7 +364,8 @@ def test_real_answers_match_the_document(tcp_broker: tuple[Any, int, str]) -> No
         "GET", "/api/v1/queue", 401
     )
     anonymous("GET", "/api/v1/openapi.json", 200)
-    anonymous("GET", "/metrics", 200)
+    assert anonymous("GET", "/metrics", 401)["reason"] == "unauthorized"  # the series name users and leases
+    assert tcp("GET", "/metrics", 200).startswith(b"# HELP")
 
     statuses = {status for _, _, status in call.seen | tcp.seen | anonymous.seen}
     assert {200, 201, 202, 400, 401, 403, 404, 409} <= statuses
@@ -411,6 +424,8 @@ def test_generated_requests_get_documented_answers(tcp_broker: tuple[Any, int, s
             tried[key] = tried.get(key, 0) + 1
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             case.validate_response(response, checks=checks)
+            if response.headers.get("Content-Type", "").startswith("application/json"):
+                strict_json(response.content)
 
         run()
 
@@ -434,3 +449,76 @@ def test_generated_requests_get_documented_answers(tcp_broker: tuple[Any, int, s
             {"examples_per_operation_and_mode": examples, "runs": ran, "inputs": sum(tried.values()),
              "operations": len({k.rsplit(" ", 1)[0] for k in tried}), "by_operation": tried,
              "statuses": {str(k): v for k, v in sorted(statuses.items())}}, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------- (e)
+#: What strict JSON forbids, or no store can hold, in place of one value of a generated body: Python's parser reads
+#: them all (NaN, Infinity, 1e999 as inf, integers up to 4,300 digits, lone surrogates as escapes or as raw bytes:
+#: ED A0 80, written here as surrogate escapes of those bytes).
+POISON = ("NaN", "Infinity", "-Infinity", "1e999", "-1e999", "9" * 400, "-" + "9" * 4000, str(2**64), str(2**62),
+          '"\\ud800"', '"tail \\udfff"', '"\udced\udca0\udc80"', '{"\\ud800": 1}')
+
+
+def poisoned(body: Any, at: int, poison: str) -> bytes:
+    """The JSON text of ``body`` with its ``at``-th value (counted over the whole document, modulo how many there
+    are; the body itself when it holds none) replaced by ``poison``."""
+    slots: list[tuple[Any, Any]] = []
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            slots.append((node, key))
+            stack.append(value)
+    marker = "__poison__"
+    if slots:
+        node, key = slots[at % len(slots)]
+        node[key] = marker
+        text = json.dumps(body)
+    else:
+        text = json.dumps(marker)
+    return text.replace(json.dumps(marker), poison, 1).encode("utf-8", "surrogateescape")
+
+
+def test_poisoned_bodies_get_documented_4xx_answers(tcp_broker: tuple[Any, int, str]) -> None:
+    """Bodies schemathesis generates for every operation that takes one, each with one value replaced by NaN, an
+    infinity, a huge integer or a lone surrogate, sent by an admin over the Unix socket (so that every handler,
+    the policy's included, reads them): never a 5xx, and every answer documented and strict JSON."""
+    schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extras")
+    from urllib.parse import urlencode
+
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    broker, _, _ = tcp_broker
+    schema = schemathesis.openapi.from_dict(SPEC)
+    examples = int(os.environ.get("GPULEASE_FUZZ_EXAMPLES", "25"))
+    statuses: dict[int, int] = {}
+    conn = Unix(broker.socket)
+
+    def exercise(op: Any) -> None:
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE), at=st.integers(0, 1 << 16),
+               poison=st.sampled_from(POISON))
+        def run(case: Any, at: int, poison: str) -> None:
+            _short_waits(case)
+            query = f"?{urlencode(case.query, doseq=True)}" if case.query else ""
+            conn.request(op.method.upper(), case.formatted_path + query, body=poisoned(case.body, at, poison),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+            statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            assert resp.status < 500, (op.method, op.path, poison[:20], resp.status, raw[:300])
+            check_answer(op.method, op.path, resp.status, resp.headers, raw)
+
+        run()
+
+    ran = 0
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if SPEC["paths"][op.path][op.method.lower()].get("requestBody"):
+            exercise(op)
+            ran += 1
+    assert ran >= 9 and statuses.get(400, 0) >= ran * examples // 2, statuses

@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from traitlets import Float, default
 from traitlets.config import LoggingConfigurable
 
+from gpulease_protocol.private import private_dir
+
 from ..worker import transfer
+from ..worker.env import lease_dir
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -187,9 +190,10 @@ class PlacedExecutor(Executor):
 
 def inputs_on_shared_storage(job: dict[str, Any], artifacts: str | None) -> dict[str, Any]:
     """The job for a worker on another host: its values travel as a file, moved into the lease's artifact
-    directory (shared storage; else this host's shm directory) under ``.oob``, which the job names."""
-    oob = os.path.join(artifacts or transfer.shm_dir(), ".oob")
-    os.makedirs(oob, exist_ok=True)
+    directory (shared storage; else this user's shm directory) under ``.oob``, which the job names: directories of
+    the user's own (``private_dir``), as the worker reads only files of its own there."""
+    base = lease_dir(artifacts, int(job.get("artifacts_mode") or 0o700)) if artifacts else transfer.shm_dir()
+    oob = private_dir(os.path.join(base, ".oob"))
     inputs = job.get("inputs")
     if inputs and inputs.get("file") and os.path.dirname(inputs["file"]) != oob:
         moved = os.path.join(oob, os.path.basename(inputs["file"]))

@@ -85,9 +85,10 @@ def lease_env(lease: LeaseView, artifacts: ArtifactDir) -> dict[str, str]:
     return env
 
 
-def job_message(job: Job, env: dict[str, str], oob_dir: str, vm: bool = False) -> dict[str, Any]:
+def job_message(job: Job, env: dict[str, str], oob_dir: str | None, vm: bool = False) -> dict[str, Any]:
     """The job for a worker. ``vm``: it is this kernel's own child, big buffers are copied straight
-    between the two processes (``transfer.push``/``pull``) instead of through files."""
+    between the two processes (``transfer.push``/``pull``) instead of through files. ``oob_dir``: where buffer
+    files go (None: this user's ``transfer.shm_dir()``, made only if a file is needed)."""
     msg: dict[str, Any] = {
         "type": "run",
         "kind": job.kind,
@@ -118,10 +119,10 @@ class LeaseRun:
     """Runs jobs on one granted lease (one single-use worker each, or a session's worker)."""
 
     def __init__(self, client: BrokerClient, heartbeater: Heartbeater, lease: Mapping[str, Any], artifact_root: str,
-                 queued: float = 0.0) -> None:
+                 queued: float = 0.0, group_readable: bool = False) -> None:
         self.client, self.heartbeater = client, heartbeater
         self.lease = lease = LeaseView.from_json(lease)
-        self.artifacts = ArtifactDir(artifact_root, lease.id)
+        self.artifacts = ArtifactDir(artifact_root, lease.id, group_readable)
         self.queued = queued
         self.started_at = now_iso()
         self.t0 = time.monotonic()
@@ -224,13 +225,14 @@ class LeaseRun:
             self._attached.add(worker.pid)
             _IO.submit(self._attach, worker)  # in flight while the job runs (never waited for: see _attach)
         self.heartbeater.set_active(self.lease.id, True)
-        oob_dir = transfer.shm_dir()
+        oob_dir = None  # this user's shm directory, where a file is needed at all
         outcome = Outcome(self.lease, queued=self.queued, artifacts=self.artifacts.display_path)
         t0 = time.monotonic()
         msg: dict[str, Any] | None = None
         reaped = False
         try:
             msg = job_message(job, {**self.env(), **(env or {})}, oob_dir, worker.local and vmcopy.usable())
+            msg["artifacts_mode"] = self.artifacts.mode  # the worker makes the lease's directory so
             msg.update(extra or {})
             try:
                 result = drive(worker, msg, self.logging_sinks(sinks), grace, self.take_notices)

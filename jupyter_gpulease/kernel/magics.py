@@ -25,7 +25,7 @@ from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
 from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
-from ..worker import reserve, transfer
+from ..worker import reserve
 from ..worker.later import later
 from .acquire import Heartbeater, LeaseUnavailable, acquire
 from .background import BackgroundJobs
@@ -48,6 +48,13 @@ class GpuMagics(Magics):
         "", config=True,
         help="Where each lease's artifact directory goes: a local or shared path, or any fsspec URL "
         "(e.g. s3://bucket/gpulease). Empty: $GPULEASE_ARTIFACT_ROOT, else ~/gpulease-artifacts.",
+    )
+    artifacts_group_readable = Bool(
+        False, config=True,
+        help="Let the group of each lease's artifact directory read it: the directory 0750 and its files 0640 (the "
+        "group is the user's primary group, or the artifact root's when that directory is setgid). False: the "
+        "user's only, 0700 and 0600, so that nobody else reads what a cell printed or saved. Example: True, for a "
+        "team that shares one artifact root and one group.",
     )
     preload = List(
         Unicode(), ["numpy"], config=True,
@@ -112,7 +119,7 @@ class GpuMagics(Magics):
         self.sessions = Sessions()
         self.jobs = BackgroundJobs()
         self._memory_changed()
-        later(sweep_orphans, transfer.shm_dir())  # parked sessions of this user's kernels that were killed
+        later(sweep_orphans)  # parked sessions of this user's kernels that were killed
 
     @validate("warm_memory")
     def _valid_memory(self, proposal: Any) -> str:
@@ -262,7 +269,7 @@ class GpuMagics(Magics):
 
     def _once(self, opts: dict[str, Any], job: Job, sinks: Any = None) -> Any:
         lease, queued = self._acquire(opts)
-        run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
+        run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued, self.artifacts_group_readable)
         try:
             worker = self._start_worker(lease)
             return run.run(worker, job, sinks or default_sinks(), opts["grace"])
@@ -287,7 +294,12 @@ class GpuMagics(Magics):
                 self._beat_for(s)
         if s is None:
             s = Session(name, *self._session_lease(opts))
-            target = park_dir(s.worker, self._root()) if self.park_sessions else None
+            try:
+                target = park_dir(s.worker, self._root()) if self.park_sessions else None
+            except OSError as e:  # another user's directory in this user's place (UnsafePathError): never used
+                print(f"gpulease: session {name!r} cannot be parked ({e}): its variables will be gone with its lease",
+                      file=sys.stderr)
+                target = None
             if target is not None:
                 s.park_target = park_target(target)
             self.sessions.add(s)
@@ -316,7 +328,7 @@ class GpuMagics(Magics):
     def _session_lease(self, opts: dict[str, Any]) -> tuple[LeaseRun, Worker]:
         """A lease and a started session worker on it."""
         lease, queued = self._acquire(opts)
-        run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued)
+        run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued, self.artifacts_group_readable)
         try:
             return run, self._start_worker(lease, session=True)
         except Exception:

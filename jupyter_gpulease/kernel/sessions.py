@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpulease_protocol.private import private_dir
+
 from ..client import LeaseView
 from ..executors.base import Worker, WorkerCrashed
 from ..tables import fmt_bytes, fmt_duration
@@ -69,7 +71,11 @@ class Session:
     def find_parked(self) -> dict[str, Any] | None:
         """The parked state's summary, when the worker parked (on the broker's SIGTERM, or asked), else None."""
         if self.parked is None and self.park_target:
-            manifest = park.read(self.park_target["to"])
+            try:
+                manifest = park.read(self.park_target["to"])
+            except OSError as e:  # not this user's own file (UnsafePathError): never loaded
+                print(f"gpulease: session {self.name!r}: {e}", file=sys.stderr)
+                manifest = None
             if manifest is not None:
                 self.parked = {k: manifest[k] for k in ("names", "dropped", "nbytes", "at")}
         return self.parked
@@ -235,13 +241,17 @@ def park_target(directory: str) -> dict[str, str]:
     return {"dir": directory, "to": os.path.join(directory, f"gpulease-park-{os.getpid()}-{os.urandom(8).hex()}")}
 
 
-def sweep_orphans(directory: str) -> int:
-    """Remove the parked states of this user's kernels that are gone (killed before they could remove them):
-    host memory otherwise held until the next reboot. How many were removed."""
+def sweep_orphans(directory: str | None = None) -> int:
+    """Remove the parked states of this user's kernels that are gone (killed before they could remove them) from
+    ``directory`` (default: this user's ``shm_dir``): host memory otherwise held until the next reboot. How many
+    were removed."""
+    from ..worker import transfer
+
     removed = 0
     try:
+        directory = directory or transfer.shm_dir()
         names = os.listdir(directory)
-    except OSError:
+    except OSError:  # (a directory another user made in this user's place: refused, and said at the first park)
         return 0
     for name in names:
         parts = name.split(".")[0].split("-")  # gpulease-park-PID-RANDOM[.buf|.N.tmp]
@@ -249,7 +259,7 @@ def sweep_orphans(directory: str) -> int:
             continue
         path = os.path.join(directory, name)
         try:
-            if os.stat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{parts[2]}"):
+            if os.lstat(path).st_uid != os.geteuid() or os.path.exists(f"/proc/{parts[2]}"):
                 continue
             os.unlink(path)
         except OSError:
@@ -259,8 +269,9 @@ def sweep_orphans(directory: str) -> int:
 
 
 def park_dir(worker: Worker, artifact_root: str | None) -> str | None:
-    """Where a session's worker parks its state: host memory for a worker of this host; the shared artifact
-    directory for one on another node (None when it has none: no parking)."""
+    """Where a session's worker parks its state, a directory of this user's own (0700): in host memory for a worker
+    of this host (``shm_dir``); under the shared artifact root for one on another node (None when it has none: no
+    parking). One that another user made first is refused (``UnsafePathError``), never used."""
     from ..artifacts import local_root
     from ..worker import transfer
 
@@ -269,6 +280,5 @@ def park_dir(worker: Worker, artifact_root: str | None) -> str | None:
     local = local_root(artifact_root) if artifact_root else None
     if local is None:
         return None
-    path = os.path.join(local, ".park")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    os.makedirs(local, exist_ok=True)
+    return private_dir(os.path.join(local, ".park"))

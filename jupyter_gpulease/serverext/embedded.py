@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from gpulease_protocol.private import private_dir
+
 from ..client import BrokerClient, BrokerError
 
 
@@ -39,7 +41,10 @@ class EmbeddedBroker:
 
     def start(self) -> str:
         """Start the broker and wait until it answers; return the inventory it serves ('nvml' or 'simulated')."""
-        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+        try:  # the per-user directory: 0700 and ours, never one another user made first (its log and store go there)
+            private_dir(self.workdir)
+        except OSError as e:
+            raise EmbeddedBrokerError(str(e)) from e
         for inventory in ("auto", "simulated"):
             args = [f"--inventory={inventory}"]
             if inventory == "simulated":

@@ -1,24 +1,35 @@
-"""Connect to the broker's event websocket (over a Unix socket or TCP) from the Jupyter server's event loop."""
+"""Connect to the broker's event websocket (over a Unix socket or TCP) from the Jupyter server's event loop.
+
+Over a Unix socket, the socket and the server behind it are checked first (``address.connect_unix``, on a
+connection of its own that sends nothing) before tornado connects and sends the upgrade request: with the socket's
+path trusted, only this user or root could put another server behind it meanwhile. The token goes over TCP, and
+over a Unix socket only when the broker asks for it (``address.asks_for_token``), as ``BrokerClient`` does."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import urllib.parse
 from typing import Any
 
 from tornado import httpclient, netutil, websocket
 
-from gpulease_protocol.address import auth_headers, client_token
+from gpulease_protocol.address import asks_for_token, auth_headers, client_token, connect_unix
 
 
 class UnixResolver(netutil.Resolver):
-    """Resolve every host to one Unix socket path, so tornado's clients can talk to a Unix-socket broker."""
+    """Resolve every host to one Unix socket path, so tornado's clients can talk to a Unix-socket broker; only a
+    socket and a server of the user's own or root's (``address.connect_unix``, else ``UntrustedSocket``)."""
 
-    def initialize(self, path: str) -> None:  # type: ignore[override]
-        self.path = path
+    def initialize(self, path: str, timeout: float = 5.0) -> None:  # type: ignore[override]
+        self.path, self.timeout = path, timeout
 
     async def resolve(self, host: str, port: int, family: socket.AddressFamily = socket.AF_UNSPEC) -> list[Any]:
+        await asyncio.get_running_loop().run_in_executor(None, self._check)
         return [(socket.AF_UNIX, self.path)]
+
+    def _check(self) -> None:
+        connect_unix(self.path, self.timeout).close()
 
 
 async def connect_events(broker_url: str, timeout: float = 5.0) -> websocket.WebSocketClientConnection:
@@ -26,10 +37,22 @@ async def connect_events(broker_url: str, timeout: float = 5.0) -> websocket.Web
     parsed = urllib.parse.urlparse(broker_url)
     resolver: netutil.Resolver | None = None
     if parsed.scheme == "unix":
-        resolver = UnixResolver(path=parsed.path or parsed.netloc)
+        resolver = UnixResolver(path=parsed.path or parsed.netloc, timeout=timeout)
         url = "ws://localhost/api/v1/events"
     else:
         url = f"ws://{parsed.hostname or '127.0.0.1'}:{parsed.port or 80}/api/v1/events"
-    headers = auth_headers(client_token())
-    request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=timeout, request_timeout=timeout)
-    return await websocket.websocket_connect(request, resolver=resolver, ping_interval=20)
+    token = client_token()
+
+    async def connect(headers: dict[str, str]) -> websocket.WebSocketClientConnection:
+        request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=timeout, request_timeout=timeout)
+        return await websocket.websocket_connect(request, resolver=resolver, ping_interval=20)
+
+    if resolver is None:
+        return await connect(auth_headers(token))
+    try:
+        return await connect({})  # the socket's uid names this user
+    except httpclient.HTTPClientError as e:
+        challenge = e.response.headers.get("WWW-Authenticate") if e.response is not None else None
+        if not token or not asks_for_token(e.code, challenge):
+            raise
+    return await connect(auth_headers(token))  # the broker names its callers by token on its socket too

@@ -1,8 +1,11 @@
-"""The environment a worker process starts with, on this host or on a GPU node (Ray actor, Slurm step)."""
+"""The environment a worker process starts with, on this host or on a GPU node (Ray actor, Slurm step), and the
+directories it writes to: this user's own (``user_dir``), a lease's artifacts (``lease_dir``)."""
 
 from __future__ import annotations
 
 import os
+
+from gpulease_protocol.private import private_dir
 
 # What a worker must not inherit from a kernel (see notes: unbuffered output splits
 # every print, the inline matplotlib backend does not exist outside the kernel).
@@ -17,3 +20,18 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""  # nothing visible until a lease says which GPUs
     env.update(extra or {})
     return env
+
+
+def user_dir(base: str) -> str:
+    """This user's own directory under ``base`` (``/dev/shm``, the temporary directory): ``gpulease-<uid>``, mode
+    0700, never one another user made first (``private_dir``: refused, with the path and its owner). What a kernel
+    or worker keeps for itself goes there: values on their way, parked sessions, artifacts staged for upload."""
+    return private_dir(os.path.join(base, f"gpulease-{os.geteuid()}"))
+
+
+def lease_dir(path: str, mode: int = 0o700) -> str:
+    """A lease's artifact directory, made if missing: the artifact root above it as the admin set it up (made with
+    the umask's mode if missing: it may be shared), the lease's own directory the user's with ``mode`` (0700, or
+    0750 when ``GpuMagics.artifacts_group_readable``), never another user's or a link (``private_dir``)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return private_dir(path, mode)

@@ -9,6 +9,10 @@ exits: the GPU is free. The session's next cell gets a new lease and a new worke
 The manifest is written last (to a temporary name, then renamed): a worker killed while parking leaves no
 manifest, and the session says its variables are gone, as without parking. The files are this user's only
 (0600) and are removed once restored, or when the session is stopped or the kernel shuts down.
+
+Private by construction: the state goes into a directory of the user's own, mode 0700 (``private_dir``: one that
+another user made first is refused, not used), so nobody else can create a name there, and a manifest or buffer
+file is unpickled only after ``open_private`` showed the user's own regular file that nobody else can write.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import glob
 import os
 import sys
 import time
+
+from gpulease_protocol.private import UnsafePathError, create_private, open_private, private_dir
 
 from . import transfer
 
@@ -54,7 +60,9 @@ def _unpicklable(values: dict[str, Any]) -> dict[str, str]:
 def park(ns: dict[str, Any], directory: str, to: str) -> dict[str, Any]:
     """Pickle the user's names of ``ns`` (big buffers into a file in ``directory``) and write the manifest to
     ``to``. Names whose values cannot be pickled (an open file, a generator) are left out and named in
-    ``dropped``. Returns the manifest's summary: names, dropped (name -> why), nbytes."""
+    ``dropped``. Returns the manifest's summary: names, dropped (name -> why), nbytes. The manifest's directory must
+    be the user's own (made 0700 if missing; ``UnsafePathError`` if another user's)."""
+    private_dir(os.path.dirname(to))
     values = {n: v for n, v in ns.items() if n not in _NOT_STATE}
     dropped: dict[str, str] = {}
     buffers = to + ".buf"  # named after the manifest: a worker killed while writing leaves nothing unnamed
@@ -71,7 +79,7 @@ def park(ns: dict[str, Any], directory: str, to: str) -> dict[str, Any]:
                "nbytes": len(packed["data"]) + sum(n for _, n in packed["spans"]), "at": time.time()}
     tmp = f"{to}.{os.getpid()}.tmp"
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+        with os.fdopen(create_private(tmp), "wb") as fh:
             pickle.dump({**summary, "packed": packed}, fh, protocol=5)
         os.replace(tmp, to)
     except BaseException:
@@ -82,11 +90,17 @@ def park(ns: dict[str, Any], directory: str, to: str) -> dict[str, Any]:
 
 
 def read(to: str) -> dict[str, Any] | None:
-    """The manifest a worker parked to ``to``, or None if there is none (never parked, or killed while parking)."""
+    """The manifest a worker parked to ``to``, or None if there is none (never parked, or killed while parking).
+    Unpickled only if it is the user's own regular file that nobody else can write, reached without a link: else
+    ``UnsafePathError``, and nothing of it is loaded."""
     try:
-        with open(to, "rb") as fh:
+        fh = os.fdopen(open_private(to), "rb")
+    except FileNotFoundError:
+        return None
+    try:
+        with fh:
             manifest: dict[str, Any] = pickle.load(fh)
-    except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+    except (EOFError, pickle.UnpicklingError):
         return None
     return manifest
 
@@ -100,7 +114,10 @@ def discard(to: str) -> None:
 def restore(to: str) -> dict[str, Any]:
     """The parked namespace, loaded (tensors back onto their device); the files stay until the kernel removes them,
     so that a failed restore can be tried again on the next lease."""
-    manifest = read(to)
+    try:
+        manifest = read(to)
+    except UnsafePathError as e:
+        raise RestoreError(f"the parked state was refused: {e}") from e
     if manifest is None:
         raise RestoreError(f"the parked state {to} is gone")
     t0 = time.monotonic()

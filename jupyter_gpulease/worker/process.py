@@ -23,7 +23,10 @@ import threading
 import time
 from _queue import SimpleQueue  # queue.SimpleQueue without importing queue (heapq, ...)
 
+from gpulease_protocol.private import UnsafePathError
+
 from . import transfer
+from .env import lease_dir
 from .held import Held
 
 # The worker's start is on the critical path of every cold %%gpu cell: this module imports only
@@ -182,7 +185,10 @@ def _prepare(job: dict[str, Any]) -> None:
     _limit_frameworks(job.get("env") or {})
     if os.environ.get("GPULEASE_ARTIFACTS"):  # the lease's artifact directory: made here, off the kernel's path
         try:
-            os.makedirs(os.environ["GPULEASE_ARTIFACTS"], exist_ok=True)
+            lease_dir(os.environ["GPULEASE_ARTIFACTS"], int(job.get("artifacts_mode") or 0o700))
+        except UnsafePathError as e:  # another user's, or a link: the cell's files must not go there
+            sys.stderr.write(f"gpulease: {e}; $GPULEASE_ARTIFACTS is not set for this cell\n")
+            del os.environ["GPULEASE_ARTIFACTS"]
         except OSError:
             pass  # the cell says so itself if it writes there; the kernel still writes output.log and meta.json
     if job.get("cwd"):

@@ -8,7 +8,8 @@ a pipe:
   memory into the other's (``vmcopy``): the sender holds its buffers and says where
   they are (``vm``), the kernel copies;
 - otherwise (a worker on another node, or direct copies refused here), written once
-  to a file in /dev/shm or a shared directory and mapped back copy-on-write.
+  to a new file (0600, ``create_private``) in this user's own directory in /dev/shm (``shm_dir``) or in the
+  lease's artifact directory, and mapped back copy-on-write once ``open_private`` showed the reader's own file.
 
 Both ends import this module; it must stay free of IPython imports.
 """
@@ -22,7 +23,10 @@ import os
 import struct
 import sys
 
+from gpulease_protocol.private import create_private, open_private
+
 from . import vmcopy
+from .env import user_dir
 
 TYPE_CHECKING = False  # typing only for the type checker: this module is on every cold start
 if TYPE_CHECKING:
@@ -67,12 +71,15 @@ def check_versions(mine: dict[str, str], theirs: dict[str, str]) -> None:
 
 
 def shm_dir() -> str:
+    """This user's own directory in host memory, ``/dev/shm/gpulease-<uid>`` (0700; under the temporary directory
+    where there is no /dev/shm): large values on their way, parked sessions. One that another user made there first
+    is refused (``UnsafePathError`` naming it and its owner), never used."""
     d = "/dev/shm"
-    if os.path.isdir(d) and os.access(d, os.W_OK):
-        return d
-    import tempfile
+    if not (os.path.isdir(d) and os.access(d, os.W_OK)):
+        import tempfile
 
-    return tempfile.gettempdir()
+        d = tempfile.gettempdir()
+    return user_dir(d)
 
 
 def _identity(x: Any) -> Any:
@@ -197,12 +204,11 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devic
 def write_buffers(raws: list[memoryview], directory: str | None = None,
                   path: str | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The buffers, one after the other, in a new file only this user can read (``path``, or a random name in
-    ``directory``): (path, spans)."""
+    ``directory``, by default this user's ``shm_dir``): (path, spans)."""
     path = path or os.path.join(directory or shm_dir(), f"gpulease-{os.urandom(12).hex()}.buf")
     spans = []
-    # readable by this user only (the values are the user's data); O_EXCL: never an existing file or link
     try:
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+        with os.fdopen(create_private(path), "wb") as fh:
             off = 0
             for raw in raws:
                 fh.write(raw)
@@ -216,11 +222,12 @@ def write_buffers(raws: list[memoryview], directory: str | None = None,
 
 def loads(packed: dict[str, Any], buffers: list[Any] | None = None, keep_file: bool = False) -> Any:
     """The inverse of dumps, with the out-of-band ``buffers`` when they were copied here already;
-    otherwise the buffer file is mapped copy-on-write and removed at once (``keep_file``: left in place)."""
+    otherwise the buffer file is mapped copy-on-write and removed at once (``keep_file``: left in place). A buffer
+    file that is not this user's own regular file, or that others can write, is refused (``UnsafePathError``)."""
     path = packed.get("file")
     if buffers is None and path:
         try:
-            with open(path, "rb") as fh:
+            with os.fdopen(open_private(path), "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
         finally:

@@ -7,6 +7,11 @@ The identity mode (``LeaseBroker.identity``) says what names a caller:
   For deployments where single-user servers share uids (containers all running as uid 1000). On the Unix
   socket the peer's uid and pid still bound which processes a caller may attach to a lease.
 - ``unix+hub``: a token when one is sent, else the Unix socket peer's uid.
+
+A Hub user and a Unix user are two principals even under one name (``core.identity.Namespaces``): under
+``unix+hub`` a Hub user's owner name is ``hub:NAME``, and admin lists say which kind of name they hold
+(``admin_users``/``admin_groups``: Unix; ``hub_admin_users``/``hub_admin_groups``: the Hub's), unless an admin maps
+Hub names onto Unix users (``LeaseBroker.hub_users_are_unix_users``).
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ from __future__ import annotations
 import re
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from ..core.errors import Unauthorized
-from ..core.identity import Identity, hash_secret
-from ..host.users import unix_groups, user_name
+from ..core.identity import Identity, Namespaces, hash_secret
+from ..host.users import GroupCache, user_name
 from ..store.lease_store import Store
 from .hub import HubIdentity, HubUser
 
@@ -37,8 +42,19 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int] | None:
     return pid, uid, gid
 
 
-#: is_admin(name, uid, groups): ``groups`` are the groups an identity provider named (the Hub's), or None: look up
-#: the name's Unix groups.
+def peer_of(sock: socket.socket | None, creds: tuple[int, int, int] | None) -> str:
+    """Who is at the other end, for limits per peer: the uid on a Unix socket, the address over TCP."""
+    if creds is not None:
+        return f"uid {creds[1]}"
+    try:
+        return str(sock.getpeername()[0]) if sock is not None else "unknown"
+    except (OSError, IndexError, TypeError):
+        return "unknown"
+
+
+#: is_admin(owner, uid, hub_groups): ``owner`` is the caller's owner name (core.identity.Namespaces), ``uid`` the
+#: Unix socket peer's uid where it names the caller (else -1), ``hub_groups`` the groups the Hub named (None: not
+#: a Hub answer).
 AdminCheck = Callable[[str, int, tuple[str, ...] | None], bool]
 
 
@@ -46,7 +62,8 @@ class Authenticator:
     """Turns a connection and its headers into an Identity (or an awaitable of one, when the Hub must be asked)."""
 
     def __init__(self, store: Store, is_admin: AdminCheck, mode: str = "unix", hub: HubIdentity | None = None,
-                 learn_groups: Callable[[str, tuple[str, ...]], None] | None = None) -> None:
+                 learn_groups: Callable[[str, tuple[str, ...]], None] | None = None,
+                 namespaces: Namespaces | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"identity mode {mode!r}: use one of {', '.join(MODES)}")
         if mode != "unix" and hub is None:
@@ -55,6 +72,7 @@ class Authenticator:
         self.is_admin = is_admin
         self.mode = mode
         self.hub = hub
+        self.namespaces = namespaces or Namespaces.of(mode)
         self.learn_groups = learn_groups or (lambda user, groups: None)
         self._names: dict[int, str] = {}
 
@@ -77,7 +95,7 @@ class Authenticator:
         if cached is None:
             raise self.hub.refused()
         if cached is False:
-            return self._hub_identity(self.hub.resolve(token), uid, pid)
+            return self._hub_identity(self.hub.resolve(token, peer_of(sock, creds)), uid, pid)
         assert isinstance(cached, HubUser)
         return self._from_hub(cached, uid, pid)
 
@@ -98,9 +116,11 @@ class Authenticator:
         return self._from_hub(await asking, uid, pid)
 
     def _from_hub(self, who: HubUser, uid: int, pid: int) -> Identity:
-        self.learn_groups(who.name, who.groups)
-        admin = who.admin or self.is_admin(who.name, -1, who.groups)
-        return Identity(user=who.name, uid=uid, admin=admin, pid=pid, groups=who.groups)
+        ns = self.namespaces
+        owner, groups = ns.hub_owner(who.name), tuple(ns.hub_owner(g) for g in who.groups)
+        self.learn_groups(owner, groups)
+        admin = who.admin or self.is_admin(owner, -1, who.groups)
+        return Identity(user=owner, uid=uid, admin=admin, pid=pid, groups=groups)
 
     def _no_token(self, authorization: str | None) -> str:
         if authorization:
@@ -113,22 +133,34 @@ class Authenticator:
                 "send 'Authorization: token <your JupyterHub token>' (the Hub's token page creates one)")
 
 
-def admin_check(users: set[str], groups: set[str], root_is_admin: bool) -> AdminCheck:
-    """Whether a user is an admin: root (uid 0, if allowed), a named admin, or a member of an admin group (their
-    Unix groups; for Hub users, the groups the Hub named)."""
-    cache: dict[str, bool] = {}
+class Admins:
+    """Who is an admin (an ``AdminCheck``). A Unix user: uid 0 on the Unix socket (if ``root_is_admin``), a name in
+    ``users``, or a member of one of ``groups`` (Unix groups, read again once ``cache_seconds`` old and on
+    ``forget()``, SIGHUP). A Hub user: a name in ``hub_users`` or a member of one of ``hub_groups`` (the groups the
+    Hub named with this token). Which an owner name is says ``namespaces``: a Hub user mapped onto the Unix user
+    of the same name is checked as both."""
 
-    def is_admin(name: str, uid: int, named_groups: tuple[str, ...] | None) -> bool:
-        if uid == 0 and root_is_admin:
-            return True
-        if name in users:
-            return True
-        if not groups:
-            return False
-        if named_groups is not None:
-            return bool(groups.intersection(named_groups))
-        if name not in cache:
-            cache[name] = bool(set(unix_groups(name)) & groups)
-        return cache[name]
+    def __init__(self, namespaces: Namespaces, users: Iterable[str] = (), groups: Iterable[str] = (),
+                 hub_users: Iterable[str] = (), hub_groups: Iterable[str] = (), root_is_admin: bool = True,
+                 cache_seconds: float = 60.0) -> None:
+        self.namespaces = namespaces
+        self.users, self.groups = frozenset(users), frozenset(groups)
+        self.hub_users, self.hub_groups = frozenset(hub_users), frozenset(hub_groups)
+        self.root_is_admin = root_is_admin
+        self.unix_groups = GroupCache(cache_seconds)
 
-    return is_admin
+    def __call__(self, owner: str, uid: int, hub_groups: tuple[str, ...] | None = None) -> bool:
+        unix = self.namespaces.unix_name(owner)
+        if unix is not None:
+            if (uid == 0 and self.root_is_admin) or unix in self.users:
+                return True
+            if self.groups and not self.groups.isdisjoint(self.unix_groups(unix)):
+                return True
+        hub = self.namespaces.hub_name(owner)
+        if hub is not None:
+            return hub in self.hub_users or not self.hub_groups.isdisjoint(hub_groups or ())
+        return False
+
+    def forget(self) -> None:
+        """Read Unix group membership again at the next check (SIGHUP)."""
+        self.unix_groups.forget()

@@ -4,13 +4,12 @@ Server-Sent Events."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from tornado import websocket
 
 from ..core.identity import Identity
-from .base import BaseHandler, Routes
+from .base import BaseHandler, Routes, json_text
 
 
 class EventsHandler(websocket.WebSocketHandler, BaseHandler):
@@ -27,7 +26,7 @@ class EventsHandler(websocket.WebSocketHandler, BaseHandler):
 
     def open(self) -> None:
         self.queue = self.manager.events.subscribe()
-        self.write_message(json.dumps({"schema": "gpulease.event/1", "type": "hello", "summary": self.manager.summary()}))
+        self.write_message(json_text({"schema": "gpulease.event/1", "type": "hello", "summary": self.manager.summary()}))
         self.task = asyncio.ensure_future(self._pump())
 
     async def _pump(self) -> None:
@@ -36,7 +35,7 @@ class EventsHandler(websocket.WebSocketHandler, BaseHandler):
             event = await self.queue.get()
             if visible_to(event, self.who):
                 try:
-                    await self.write_message(json.dumps(event, separators=(",", ":")))
+                    await self.write_message(json_text(event))
                 except websocket.WebSocketClosedError:
                     return
 
@@ -67,7 +66,7 @@ class EventStreamHandler(BaseHandler):
                     await self.flush()
                     continue
                 if visible_to(event, self.who):
-                    self.write(f"id: {event['seq']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n")
+                    self.write(f"id: {event['seq']}\ndata: {json_text(event)}\n\n")
                     await self.flush()
         except Exception:  # the client went away
             pass

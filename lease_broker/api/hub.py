@@ -2,20 +2,24 @@
 server and kernels) becomes the Hub's user model (name, groups, scopes) through JupyterHub's own service-auth
 library (``jupyterhub.services.auth.HubAuth``).
 
-Answers are kept for ``cache_seconds``: a token the Hub revokes keeps working here for at most that long. While
-the Hub cannot be reached, a token the Hub accepted within ``outage_seconds`` keeps its last answer, so the
-holders of running leases can still heartbeat, renew and release them; a token the broker has not seen gets 503
-naming the Hub's URL. The Hub is asked on the broker's event loop without blocking it (HubAuth's async API),
-one request per token however many callers present it at once.
+An answer is kept for ``cache_seconds`` and never past the token's own expiry (the Hub's token model,
+``expires_at``, read once per token): a token revoked on the Hub stops working here within ``cache_seconds``, an
+expired one at its expiry. While the Hub cannot be reached, only the answers still kept pass; any other token gets
+503 naming the Hub's URL. Each peer (a uid on the Unix socket, an address over TCP) may cause
+``failed_lookups_per_minute`` refused lookups (a token bucket that size, refilled at that rate); beyond it a token
+the broker has not seen gets 429 with Retry-After, and the Hub is not asked. The Hub is asked on the broker's event
+loop without blocking it (HubAuth's async API), one request per token however many callers present it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -23,11 +27,11 @@ from typing import Any
 from urllib.parse import quote
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Bool, Float, List, Unicode, default
+from traitlets import Bool, Float, Integer, List, Unicode, default, validate
 from traitlets.config import Configurable
 
-from ..core.clock import Clock
-from ..core.errors import LeaseError, Unauthorized, Unavailable
+from ..core.errors import LeaseError, TooManyRequests, Unauthorized, Unavailable
+from ..core.identity import Namespaces
 
 log = logging.getLogger("lease_broker")
 
@@ -44,6 +48,15 @@ class HubUser:
     admin: bool = False  # a Hub admin, or the token carries one of HubIdentity.admin_scopes
 
 
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    """The Hub's answer for one token, on the monotonic clock: kept while ``now < until``."""
+
+    user: HubUser | None  # None: the Hub refused the token
+    until: float  # the answer is used until then: its time + cache_seconds, never past the token's expiry
+    expires: float | None = None  # when the token expires (None: never, or not known)
+
+
 class HubIdentity(Configurable):
     """Identify callers by their JupyterHub token (``LeaseBroker.identity = 'hub'`` or ``'unix+hub'``)."""
 
@@ -53,17 +66,22 @@ class HubIdentity(Configurable):
         "the broker). Default: $JUPYTERHUB_API_URL, which the Hub sets for a managed service.",
     )
     cache_seconds = Float(
-        60.0,
+        30.0,
         config=True,
-        help="Seconds the Hub's answer for a token is kept: a token revoked on the Hub keeps working here for at "
-        "most this long. 0 = ask the Hub on every request. Example: 60.",
+        help="Seconds the Hub's answer for a token is kept (never past the token's own expiry): a token revoked "
+        "on the Hub stops working here within this many seconds, and while the Hub is down only tokens it accepted "
+        "within this many seconds pass (a running lease's holder then has this plus LeasePolicy.heartbeat_timeout "
+        "before the lease ends for want of heartbeats). 30 s: revocation takes effect within half a minute (the "
+        "Hub's own single-user servers cache 300 s) at one Hub lookup per active token per 30 s. 0 = ask the Hub "
+        "on every request (and nothing passes while it is down). Example: 30.",
     )
-    outage_seconds = Float(
-        3600.0,
+    failed_lookups_per_minute = Integer(
+        10,
         config=True,
-        help="While the Hub cannot be reached: seconds since the Hub last accepted a token during which it keeps "
-        "working here (running leases stay renewable and releasable through an outage). 0 = none: every Hub "
-        "token gets 503 while the Hub is down. Example: 3600.",
+        help="Refused token lookups a peer (a uid on the Unix socket, an address over TCP) may cause: a burst of "
+        "this many, then this many per minute; beyond that a token the broker has not seen gets 429 with "
+        "Retry-After and the Hub is not asked (a token already accepted keeps working). Callers behind one uid or "
+        "one proxy address share it. 0 = no limit. Example: 10.",
     )
     timeout = Float(
         5.0,
@@ -99,13 +117,30 @@ class HubIdentity(Configurable):
     def _default_api_token(self) -> str:
         return os.environ.get("JUPYTERHUB_API_TOKEN", "")
 
-    def __init__(self, clock: Clock | None = None, **kwargs: Any) -> None:
+    @validate("cache_seconds", "timeout")
+    def _valid_seconds(self, proposal: dict[str, Any]) -> float:
+        value = proposal["value"]
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"HubIdentity.{proposal['trait'].name}={value!r}: must be a number of seconds >= 0")
+        return float(value)
+
+    @validate("failed_lookups_per_minute")
+    def _valid_rate(self, proposal: dict[str, Any]) -> int:
+        if proposal["value"] < 0:
+            raise ValueError(f"HubIdentity.failed_lookups_per_minute={proposal['value']!r}: must be >= 0")
+        return int(proposal["value"])
+
+    def __init__(self, namespaces: Namespaces | None = None, monotonic: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.clock = clock or Clock()
-        self._answers: dict[str, tuple[HubUser | None, float]] = {}
+        self.namespaces = namespaces or Namespaces.of("hub")
+        self.monotonic, self.wall = monotonic, wall
+        self._answers: dict[str, _Answer] = {}
         self._asking: dict[str, asyncio.Future[HubUser | None]] = {}
+        self._credits: dict[str, tuple[float, float]] = {}  # peer -> (lookups it may still fail, when counted)
         self._auth: Any = None
         self.reachable = True
+        self._expiry_unknown_told = False
         self._emails: dict[str, tuple[str | None, float]] = {}
 
     def start(self) -> None:
@@ -134,18 +169,26 @@ class HubIdentity(Configurable):
         return hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
 
     def cached(self, token: str) -> HubUser | None | bool:
-        """A fresh answer for ``token`` (a HubUser, or None: the Hub refused it), or False: ask the Hub."""
+        """A kept answer for ``token`` (a HubUser, or None: refused, also once it expired), or False: ask the Hub."""
         found = self._answers.get(self.key(token))
-        if found is not None and self.clock.now() - found[1] < self.cache_seconds:
-            return found[0]
+        if found is None:
+            return False
+        now = self.monotonic()
+        if now < found.until:
+            return found.user
+        if found.user is not None and found.expires is not None and now >= found.expires:
+            return None  # expired: the Hub would refuse it too
         return False
 
-    async def resolve(self, token: str) -> HubUser:
-        """Ask the Hub who ``token`` belongs to (one request per token at a time)."""
+    async def resolve(self, token: str, peer: str = "") -> HubUser:
+        """Ask the Hub who ``token`` belongs to (one request per token at a time; a peer without lookups left
+        gets 429)."""
         key = self.key(token)
         asking = self._asking.get(key)
         if asking is None:
-            asking = self._asking[key] = asyncio.ensure_future(self._ask(token, key))
+            known = self._answers.get(key)
+            counted = (known is None or known.user is None) and self._take_lookup(peer)  # a token seen valid: free
+            asking = self._asking[key] = asyncio.ensure_future(self._ask(token, key, peer if counted else None))
             asking.add_done_callback(lambda _: self._asking.pop(key, None))
         user = await asyncio.shield(asking)
         if user is None:
@@ -160,20 +203,48 @@ class HubIdentity(Configurable):
             reason="invalid_token",
         )
 
-    async def _ask(self, token: str, key: str) -> HubUser | None:
+    # ------------------------------------------------------------------------------------------ failed lookups
+    def _take_lookup(self, peer: str) -> bool:
+        """Count a lookup against ``peer``'s bucket (given back unless the Hub refuses the token), or refuse it
+        with 429. Returns whether it was counted."""
+        rate = self.failed_lookups_per_minute
+        if rate <= 0:
+            return False
+        now = self.monotonic()
+        left, when = self._credits.get(peer, (float(rate), now))
+        left = min(float(rate), left + (now - when) * rate / 60.0)
+        if left < 1.0:
+            wait = max(1, math.ceil((1.0 - left) * 60.0 / rate))
+            raise TooManyRequests(
+                f"Too many refused JupyterHub tokens from this caller ({rate} a minute): try again in {wait} s "
+                "with a valid token (your server's $JUPYTERHUB_API_TOKEN, or one from the Hub's token page)",
+                reason="too_many_failed_lookups", extra={"retry_after": wait},
+            )
+        if len(self._credits) >= MAX_ANSWERS:  # peers whose bucket is full again need no entry
+            self._credits = {p: (c, t) for p, (c, t) in self._credits.items()
+                             if c + (now - t) * rate / 60.0 < rate}
+        self._credits[peer] = (left - 1.0, now)
+        return True
+
+    def _give_back_lookup(self, peer: str | None) -> None:
+        found = self._credits.get(peer) if peer is not None else None
+        if peer is not None and found is not None:
+            self._credits[peer] = (min(float(self.failed_lookups_per_minute), found[0] + 1.0), found[1])
+
+    # ------------------------------------------------------------------------------------------ asking the Hub
+    async def _ask(self, token: str, key: str, peer: str | None) -> HubUser | None:
+        """The Hub's answer for ``token``; ``peer``: whose failed lookup it counts as (None: nobody's)."""
         assert self._auth is not None, "HubIdentity.start() was not called"
-        now = self.clock.now()
+        now = self.monotonic()
         try:
             model = await asyncio.wait_for(self._auth.user_for_token(token, use_cache=False, sync=False),
                                            self.timeout)
         except Exception as e:  # unreachable, timed out, or the Hub failed: HubAuth raises tornado HTTPErrors
+            self._give_back_lookup(peer)  # the token was not refused
             why = getattr(e, "log_message", None) or str(e) or type(e).__name__
             if self.reachable:
                 log.warning("JupyterHub at %s unreachable: %s", self.api_url, why)
                 self.reachable = False
-            stale = self._answers.get(key)
-            if stale is not None and stale[0] is not None and now - stale[1] < self.outage_seconds:
-                return stale[0]
             raise Unavailable(
                 f"The JupyterHub at {self.api_url} cannot be reached to check your token ({why}); leases already "
                 "granted keep running. Try again when the Hub is back (ask your admin if it stays down)",
@@ -182,16 +253,66 @@ class HubIdentity(Configurable):
         if not self.reachable:
             log.warning("JupyterHub at %s reachable again", self.api_url)
             self.reachable = True
-        user = self._user(model) if model else None
-        self._remember(key, user, now)
+        if not model:
+            self._remember(key, _Answer(None, now + self.cache_seconds))
+            return None
+        self._give_back_lookup(peer)
+        user = self._user(model)
+        known = self._answers.get(key)
+        expires = known.expires if known is not None and known.user is not None else await self._expiry(token, model)
+        until = now + self.cache_seconds
+        if expires is not None:
+            if expires <= now:
+                self._remember(key, _Answer(None, now + self.cache_seconds))
+                return None
+            until = min(until, expires)
+        self._remember(key, _Answer(user, until, expires))
         return user
+
+    async def _expiry(self, token: str, model: dict[str, Any]) -> float | None:
+        """When ``token`` expires on the monotonic clock, from the Hub's token model (``expires_at``), read with
+        the broker's own token (a service with 'read:tokens') or else the token itself; None: never, or the
+        Hub would not say (then only cache_seconds bounds it)."""
+        token_id, name = model.get("token_id"), model.get("name")
+        if not token_id or not name or model.get("kind") == "service":
+            return None
+        url = f"{self.api_url.rstrip('/')}/users/{quote(str(name), safe='')}/tokens/{quote(str(token_id), safe='')}"
+        for who in dict.fromkeys(t for t in (self.api_token, token) if t):
+            req = HTTPRequest(url, headers={"Authorization": f"token {who}"}, connect_timeout=self.timeout,
+                              request_timeout=self.timeout)
+            try:
+                resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+                if resp.code != 200:
+                    continue
+                at = json.loads(resp.body).get("expires_at")
+            except Exception:
+                continue
+            if not at:
+                return None  # never expires
+            try:
+                when = datetime.datetime.fromisoformat(str(at))
+            except ValueError:
+                break
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=datetime.timezone.utc)  # the Hub's times are UTC
+            return self.monotonic() + (when.timestamp() - self.wall())
+        if not self._expiry_unknown_told:
+            self._expiry_unknown_told = True
+            log.info("JupyterHub at %s: cannot read a token's expiry (its token model); tokens are then bounded by "
+                     "HubIdentity.cache_seconds only: grant the broker's service the scope 'read:tokens' "
+                     "(HubIdentity.api_token)", self.api_url)
+        return None
 
     async def email_of(self, name: str) -> str | None:
         """The e-mail address the Hub keeps for ``name`` (``auth_state['email']``, which authenticators such as
         GitHub's or Generic OAuth's can fill), read with the broker's own token; None when there is none or it
         cannot be read. Answers are kept ``cache_seconds``."""
+        hub_name = self.namespaces.hub_name(name)
+        if hub_name is None:
+            return None  # a Unix user: the Hub's user of that name is someone else
+        name = hub_name
         found = self._emails.get(name)
-        now = self.clock.now()
+        now = self.monotonic()
         if found is not None and now - found[1] < self.cache_seconds:
             return found[0]
         address: str | None = None
@@ -222,11 +343,11 @@ class HubIdentity(Configurable):
         admin = bool(self.hub_admins and model.get("admin")) or bool(scopes & set(self.admin_scopes))
         return HubUser(name=name, groups=tuple(sorted(model.get("groups") or ())), admin=admin)
 
-    def _remember(self, key: str, user: HubUser | None, now: float) -> None:
-        if len(self._answers) >= MAX_ANSWERS:  # refusals are kept only while fresh, acceptances through an outage
-            fresh, kept = self.cache_seconds, max(self.cache_seconds, self.outage_seconds)
-            self._answers = {k: v for k, v in self._answers.items() if now - v[1] < (kept if v[0] else fresh)}
-        self._answers[key] = (user, now)
+    def _remember(self, key: str, answer: _Answer) -> None:
+        if len(self._answers) >= MAX_ANSWERS:  # answers no longer used go first
+            now = self.monotonic()
+            self._answers = {k: v for k, v in self._answers.items() if now < v.until}
+        self._answers[key] = answer
 
 
 def remembering(learn: Callable[[str, tuple[str, ...]], bool],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from tornado import web
 
+from gpulease_protocol.requests import quoted
+
 from ..core.errors import BadRequest
 from ..core.lease import LeaseState, parse_duration
 from .base import LEASE_ID, MAX_WAIT, BaseHandler, Routes
@@ -15,7 +17,7 @@ class LeasesHandler(BaseHandler):
         try:
             ended = int(self.get_query_argument("ended", "0"))
         except ValueError:
-            raise BadRequest(f"Invalid ended={self.get_query_argument('ended')!r}: give a count") from None
+            raise BadRequest(f"Invalid ended={quoted(self.get_query_argument('ended'))}: give a count") from None
         leases = self.manager.list_leases(self.who, everyone=everyone, include_ended=max(0, min(ended, 1000)))
         await self.reply({"leases": [self.view(lease) for lease in leases]})
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpulease_protocol.requests import quoted
+
 from ..core.errors import BadRequest
 from ..manager.policy_admin import policy_values
 from .base import BaseHandler, Routes
@@ -32,9 +34,11 @@ class PolicyAuditHandler(BaseHandler):
     async def get(self) -> None:
         self.require_admin("read the policy audit")
         raw = self.get_query_argument("limit", "100")
-        if not raw.isdigit() or int(raw) < 1:
-            raise BadRequest(f"Invalid limit={raw!r}: give a whole number >= 1")
-        await self.reply({"audit": self.manager.admin_store.audit_log(min(int(raw), 10_000))})
+        digits = raw.lstrip("0") if raw.isascii() and raw.isdigit() else ""  # "²" is a digit that int() refuses
+        if not digits:
+            raise BadRequest(f"Invalid limit={quoted(raw)}: give a whole number >= 1")
+        limit = int(digits) if len(digits) <= 5 else 10_000  # int() refuses 4,300 digits and more
+        await self.reply({"audit": self.manager.admin_store.audit_log(min(limit, 10_000))})
 
 
 def routes(prefix: str) -> Routes:

@@ -58,6 +58,11 @@ class InvalidTransition(LeaseError):
     reason = "invalid_transition"
 
 
+class TooManyRequests(LeaseError):
+    status_code = 429
+    reason = "too_many_requests"
+
+
 class Unavailable(LeaseError):
     status_code = 503
     reason = "unavailable"

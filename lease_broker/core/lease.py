@@ -227,8 +227,10 @@ class Change:
     """One change of a lease: a new state (with its reason), new field values, or both. The lease's owner
     applies every change through one path (``LeaseManager.commit``); ``None`` leaves a field as it is.
 
-    ``event`` names the published change when the state stays (``renewed``, ``grown``, ``placed``); a change
-    of state publishes the new state. ``attach`` adds a process (pid, start ticks) to the lease.
+    ``event`` names the published change when the state stays (``renewed``, ``grown``, ``placed``, ``retimed``); a
+    change of state publishes the new state. ``attach`` adds a process (pid, start ticks) to the lease. ``shift``
+    moves every time of the lease (``TIMES``) by that many seconds: the wall clock stepped (``LeaseManager.retime``),
+    and the lease keeps its remaining time.
     """
 
     state: LeaseState | None = None
@@ -242,18 +244,19 @@ class Change:
     last_heartbeat: float | None = None
     use: LeaseUse | None = None
     attach: tuple[int, int] | None = None
+    shift: float = 0.0
     event: str = ""
 
     @property
     def stored(self) -> bool:
         """Whether the store must write the lease's row (anything beyond activity, heartbeat times and usage)."""
-        return self.state is not None or any(
+        return self.state is not None or bool(self.shift) or any(
             getattr(self, f.name) is not None for f in _FIELDS if f.name not in _SOFT)
 
     @property
     def moves(self) -> bool:
-        """Whether the GPU table must see the lease again (its state, devices or time limit changed)."""
-        return self.state is not None or self.devices is not None or self.expires_at is not None
+        """Whether the GPU table must see the lease again (its state, devices, times or time limit changed)."""
+        return self.state is not None or self.devices is not None or self.expires_at is not None or bool(self.shift)
 
     def apply(self, lease: Lease, now: float) -> None:
         """Write the change into the lease (the owner checks the transition and persists it)."""
@@ -261,13 +264,20 @@ class Change:
             value = getattr(self, f.name)
             if value is not None:
                 setattr(lease, f.name, list(value) if f.name == "devices" else value)
+        if self.shift:
+            for name in TIMES:
+                value = getattr(lease, name)
+                if value is not None:
+                    setattr(lease, name, value + self.shift)
         if self.state is not None and self.state.terminal:
             lease.ended_at = now
         if self.attach is not None and self.attach[0] not in lease.pids:
             lease.pids = [*lease.pids, self.attach[0]]
 
 
-_FIELDS = tuple(f for f in dataclasses.fields(Change) if f.name not in ("attach", "event"))
+_FIELDS = tuple(f for f in dataclasses.fields(Change) if f.name not in ("attach", "shift", "event"))
+#: The times a live lease keeps (wall-clock seconds): what ``Change.shift`` moves.
+TIMES = ("created_at", "granted_at", "expires_at", "last_heartbeat", "last_activity")
 
 
 def reason_slug(reason: str, default: str) -> str:

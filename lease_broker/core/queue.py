@@ -131,6 +131,10 @@ class Queue:
         """Who has requests queued: O(users), not O(queue)."""
         return set(self._users)
 
+    def queued_by(self, user: str) -> int:
+        """How many requests ``user`` has queued: O(1)."""
+        return self._users.get(user, 0)
+
     def all_exclusive(self) -> bool:
         """Whether no queued request is shared (each needs whole idle GPUs)."""
         return not any(shape[0] for shape in self._shapes)

@@ -151,6 +151,15 @@ class Enforcer:
         return bool(self.kills or self.draining or self.watch.busy)
 
     # ---------------------------------------------------------------- time
+    def retime(self, step: float) -> None:
+        """The wall clock stepped ``step`` seconds (``LeaseManager.retime``): the SIGKILL deadlines and the drains'
+        starts move by as much (the drains' in the store too: a restart reads them), so none comes early or late."""
+        self.kills = {lid: (deadline + step, pids) for lid, (deadline, pids) in self.kills.items()}
+        for gpu_id, (lease_id, since, pids) in list(self.draining.items()):
+            self.draining[gpu_id] = (lease_id, since + step, pids)
+            self.store.drain([gpu_id], lease_id, pids, since + step)
+        self.watch.retime(step)
+
     def tick(self, now: float) -> None:
         ops, pol, samples = self.ops, self.policy, self.state.samples
         self._escalate(now)

@@ -130,6 +130,10 @@ class GpuWatch:
         log.info("GPU %s: SIGTERM to unleased process %d of uid %d", gpu_id, pid, info.uid)
         self._kills[pid] = (self.clock.now() + self.policy.term_timeout, info.start_ticks)
 
+    def retime(self, step: float) -> None:
+        """The wall clock stepped ``step`` seconds: the SIGKILL deadlines move by as much."""
+        self._kills = {pid: (deadline + step, ticks) for pid, (deadline, ticks) in self._kills.items()}
+
     def _escalate(self, now: float) -> None:
         for pid, (deadline, ticks) in list(self._kills.items()):
             info = proc_info(pid)

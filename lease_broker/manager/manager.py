@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -125,6 +126,7 @@ class LeaseManager:
     def request(self, who: Identity, body: Any) -> tuple[Lease, str]:
         req = parse_request(body)
         req, duration, idle = self.policy.apply(who.user, req, len(self.gpus))
+        self.policy.check_queued(who.user, self.state.queue.queued_by(who.user))  # max_queued_per_user
         self.quotas.check_placeable(req, who.user)
         now = self.clock.now()
         lease_id, secret = new_lease_keys()
@@ -367,9 +369,30 @@ class LeaseManager:
         if self.engine.loop is None:
             with contextlib.suppress(RuntimeError):
                 self.engine.loop = asyncio.get_running_loop()
+        step = self.clock.resync()  # deadlines run on the monotonic clock; a wall-clock step moves them all
+        if step:
+            self.retime(step)
         self.engine.reconcile()
         self.enforcer.tick(self.clock.now())
         self.schedule()
+
+    def retime(self, step: float) -> None:
+        """The wall clock stepped ``step`` seconds (and the clock followed it): every time a live lease keeps moves
+        by as much, through ``commit`` (stored, and a ``retimed`` event with the new times), and so do the parts'
+        deadlines, so that no lease loses or gains time and the times people read are the wall clock's again."""
+        leases = list(self.state.leases.values())
+        log.warning("Wall clock stepped %+.3f s: moving the times of %d live lease(s) and their deadlines by as much "
+                    "(each keeps its remaining time)", step, len(leases))
+        for lease in leases:
+            self.commit(lease, Change(shift=step, event="retimed"))
+            queued = self.state.queue.get(lease.id)
+            if queued is not None:  # its queue entry keeps when it was requested (small_first_timeout)
+                self.state.queue.remove(lease.id)
+                # back in its place (arrival order), its user re-scored by the full pass that replan asks for
+                self.state.queue.add(dataclasses.replace(queued, queued_at=lease.created_at), 0.0)
+        self.enforcer.retime(step)
+        self.preemption.retime(step)
+        self.replan()
 
     def restore(self) -> dict[str, int]:
         """Reload every non-terminal lease and reconcile it with what is running now."""

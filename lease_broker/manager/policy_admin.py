@@ -23,6 +23,11 @@ def policy_values(policy: Any) -> dict[str, Any]:
     return {name: getattr(policy, name) for name in sorted(policy.trait_names(config=True))}
 
 
+def _named_field(message: str, changes: dict[str, Any]) -> str:
+    """The changed field a refusal checked once all were set names (its message starts 'LeasePolicy.<field>')."""
+    return next((k for k in changes if f".{k}=" in message or f".{k}[" in message), ", ".join(sorted(changes)))
+
+
 class PolicyAdmin:
     def __init__(self, policy: LeasePolicy, store: AdminStore, events: EventBus, ops: LeaseOps, clock: Clock) -> None:
         self.policy, self.store, self.events, self.ops, self.clock = policy, store, events, ops, clock
@@ -35,11 +40,15 @@ class PolicyAdmin:
             if key not in current:
                 raise BadRequest(f"Unknown policy field {key!r}", extra={"field": key})
         candidate = type(pol)(**{k: v for k, v in current.items()})
-        for key, value in changes.items():
-            try:
-                setattr(candidate, key, value)
-            except (TraitError, ValueError, TypeError) as e:
-                raise BadRequest(f"Invalid policy field {key}={value!r}: {e}", extra={"field": key}) from None
+        key = ""
+        try:  # each value is checked as it is set; what relates fields (default_priority among priority_classes)
+            with candidate.hold_trait_notifications():  # once all are set, so they may change together
+                for key, value in changes.items():
+                    setattr(candidate, key, value)
+                key = ""
+        except (TraitError, ValueError, TypeError) as e:
+            field = key or _named_field(str(e), changes)
+            raise BadRequest(f"Invalid policy field {field}: {e}", extra={"field": field}) from None
         diff = {k: [current[k], getattr(candidate, k)] for k in changes if getattr(candidate, k) != current[k]}
         if not diff:
             return {}

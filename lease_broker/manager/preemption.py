@@ -101,6 +101,11 @@ class Preemption:
         self.events.publish("lease.preempting", lease_id=victim.id, user=victim.user, by_class=cls,
                             grace_seconds=grace, deadline=deadline)
 
+    def retime(self, step: float) -> None:
+        """The wall clock stepped ``step`` seconds: each warned lease keeps the rest of its grace."""
+        for w in self.warnings.values():
+            w.deadline += step
+
     def run(self, now: float) -> None:
         """After a pass: revoke victims whose grace is over; warn new victims for blocked preempting requests.
         Not re-entered from the passes its own revocations cause."""

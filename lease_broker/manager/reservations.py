@@ -6,9 +6,12 @@ reservation's members get them (the scheduler's ``Window``). Persisted in the st
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Iterable
 from typing import Any
+
+from gpulease_protocol.requests import MAX_SECONDS, quoted
 
 from ..core.errors import BadRequest, Forbidden, InvalidTransition, NotFound
 from ..core.identity import Identity
@@ -29,8 +32,11 @@ def _when(value: Any, now: float, what: str) -> float:
     if isinstance(value, str) and value.startswith("+"):
         return now + parse_duration(value[1:], what)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise BadRequest(f"Invalid {what} {value!r}: give epoch seconds, 'now' or '+2h'")
+        when = float(value) if isinstance(value, float) or abs(value) < 2**63 else math.inf
+        if abs(when - now) < MAX_SECONDS:  # also refuses NaN and infinities
+            return when
+        raise BadRequest(f"Invalid {what} {quoted(value)}: give epoch seconds within 10 years of now")
+    raise BadRequest(f"Invalid {what} {quoted(value)}: give epoch seconds, 'now' or '+2h'")
 
 
 class Reservations:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..core.errors import BadRequest, Forbidden
@@ -12,22 +12,21 @@ from ..core.gpufit import Aliases, aliases_of
 from ..core.lease import LeaseRequest
 from ..core.scheduler import SchedulerPolicy
 from .limits import LimitsPolicy
-
-
-def _positive(name: str, value: float, allow_zero: bool = True) -> float:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"LeasePolicy.{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
-    return value
+from .numbers import Float, Integer  # finite and >= 0, refused naming the option (numbers.py)
 
 
 class LeasePolicy(LimitsPolicy, Configurable):
     """Limits every lease request; caps are applied, not negotiated."""
 
     default_duration_seconds = Float(
-        3600.0, config=True, help="Lease time limit in seconds when a request names none. Example: 3600 (1 h)."
+        3600.0,
+        positive=True,
+        config=True,
+        help="Lease time limit in seconds when a request names none. Example: 3600 (1 h).",
     )
     max_duration_seconds = Float(
         8 * 3600.0,
+        positive=True,
         config=True,
         help="Longest lease time limit in seconds, also after renewals (a longer request is capped). Example: 28800.",
     )
@@ -96,6 +95,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
     )
     term_timeout = Float(
         5.0,
+        positive=True,
         config=True,
         help="Seconds between SIGTERM and SIGKILL when a lease's processes are stopped. Example: 5.",
     )
@@ -121,6 +121,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
     )
     small_first_timeout = Float(
         3600.0,
+        positive=True,
         config=True,
         help="Seconds a request bigger than small_first_gpus may be passed over by smaller ones; after that it "
         "keeps its place in the queue and its reservation, so it is never starved. Must be above 0. "
@@ -128,6 +129,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
     )
     queue_depth = Integer(
         100,
+        min=1,
         config=True,
         help="How many requests at the head of the queue a request, release or tick looks at (with the first "
         "request of each shape further back, and the request that just arrived), like Slurm's "
@@ -167,6 +169,7 @@ class LeasePolicy(LimitsPolicy, Configurable):
     )
     drain_timeout = Float(
         60.0,
+        positive=True,
         config=True,
         help="Seconds a GPU may stay draining after a lease ends (its processes and memory not yet gone) before "
         "it is marked unhealthy, never granted again until the broker restarts, and admins get an event. "
@@ -182,33 +185,22 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "Example: 'kill'.",
     )
 
-    @validate("default_duration_seconds", "max_duration_seconds", "term_timeout", "drain_timeout",
-              "small_first_timeout")
-    def _valid_positive(self, proposal: dict[str, Any]) -> float:
-        return _positive(proposal["trait"].name, proposal["value"], allow_zero=False)
+    @validate("priority_classes")
+    def _valid_classes(self, proposal: dict[str, Any]) -> dict[str, int]:
+        classes = dict(proposal["value"])
+        if not classes:
+            raise TraitError("LeasePolicy.priority_classes={}: give at least one class, e.g. {'normal': 10}")
+        if self.default_priority not in classes:
+            raise TraitError(f"LeasePolicy.priority_classes={classes!r}: default_priority {self.default_priority!r} "
+                             "is not one of them: add it, or set LeasePolicy.default_priority to one of them too")
+        return classes
 
-    @validate(
-        "default_idle_timeout_seconds",
-        "max_idle_timeout_seconds",
-        "max_gpus_per_user",
-        "heartbeat_timeout",
-        "warn_before_seconds",
-        "idle_mark_seconds",
-        "pressure_idle_timeout_seconds",
-        "warm_regrant_seconds",
-        "max_shares_per_gpu",
-        "full_pass_seconds",
-        "full_pass_depth",
-        "small_first_gpus",
-    )
-    def _valid_nonneg(self, proposal: dict[str, Any]) -> float:
-        return _positive(proposal["trait"].name, proposal["value"])
-
-    @validate("queue_depth")
-    def _valid_depth(self, proposal: dict[str, Any]) -> int:
-        if proposal["value"] < 1:
-            raise TraitError(f"LeasePolicy.queue_depth={proposal['value']!r}: must be at least 1")
-        return int(proposal["value"])
+    @validate("default_priority")
+    def _valid_default_priority(self, proposal: dict[str, Any]) -> str:
+        if proposal["value"] not in self.priority_classes:
+            raise TraitError(f"LeasePolicy.default_priority={proposal['value']!r}: not a class of priority_classes "
+                             f"(use one of {', '.join(sorted(self.priority_classes))})")
+        return str(proposal["value"])
 
     # ------------------------------------------------------------------------------------------
     def user_cap(self, user: str) -> float:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from traitlets import All, Bool, Dict, Float, Integer, List, Unicode, observe, validate
+from traitlets import All, Bool, Dict, List, Unicode, observe, validate
 from traitlets.config import Configurable
 
-from ..core.errors import Forbidden
+from ..core.errors import Forbidden, TooManyRequests
 from ..host.users import unix_groups
+from .numbers import LARGEST_INT, Float, Integer  # finite and >= 0, refused naming the option (numbers.py)
 
 #: Limits that ``user_limits`` / ``group_limits`` may set, with the trait that gives their default.
 LIMIT_KEYS: dict[str, str] = {
@@ -27,9 +28,19 @@ LIMIT_KEYS: dict[str, str] = {
     "max_idle_timeout_seconds": "max_idle_timeout_seconds",
     "priority_classes": "allowed_priority_classes",
     "fairshare_weight": "fairshare_weight",
+    "max_queued": "max_queued_per_user",
 }
 QUOTA_KEYS = ("max_gpus", "gpu_hours_per_day")
 DAY = 86400.0
+
+
+def _number(value: Any) -> bool:
+    """Whether a limit given in a dict is a number ``LeasePolicy``'s own options would take: finite, >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return 0 <= value <= LARGEST_INT
+    return math.isfinite(value) and value >= 0
 
 
 def _check_limits(owner: str, value: dict[str, Any], keys: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -45,12 +56,11 @@ def _check_limits(owner: str, value: dict[str, Any], keys: tuple[str, ...] | Non
                     raise ValueError(f"LeasePolicy.{owner}[{who!r}]['priority_classes']={v!r}: must be a list of names")
             elif key == "max_gpus" and isinstance(v, dict) and owner != "group_quotas":
                 for t, n in v.items():
-                    if not isinstance(t, str) or not t or isinstance(n, bool) or not isinstance(n, (int, float)) \
-                            or n < 0 or math.isnan(n):
+                    if not isinstance(t, str) or not t or not _number(n):
                         raise ValueError(f"LeasePolicy.{owner}[{who!r}]['max_gpus'][{t!r}]={n!r}: give GPU types "
                                          "and numbers >= 0, e.g. {'H100': 1, '*': 4} ('*': all GPUs together)")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
-                raise ValueError(f"LeasePolicy.{owner}[{who!r}][{key!r}]={v!r}: must be a number >= 0")
+            elif not _number(v):
+                raise ValueError(f"LeasePolicy.{owner}[{who!r}][{key!r}]={v!r}: must be a finite number >= 0")
     return value
 
 
@@ -71,6 +81,7 @@ class LimitsPolicy(Configurable):
     )
     fairshare_weight = Float(
         1.0,
+        positive=True,
         config=True,
         help="Default fair-share weight of a user (> 0): within a priority class, users are served by decayed "
         "past GPU-seconds divided by their weight, least first. Example: 1.0 (2.0 = twice the share).",
@@ -131,6 +142,15 @@ class LimitsPolicy(Configurable):
         help="Longest window in seconds a non-admin user may reserve. 0 = unlimited. Example: 14400 (4 h).",
     )
 
+    max_queued_per_user = Integer(
+        1000,
+        config=True,
+        help="Requests one user may have waiting in the queue at once, admins too (like Slurm's MaxSubmitJobs); one "
+        "more is refused with 429 naming the cap, and the user may ask again once some were granted or cancelled. "
+        "It keeps one user from filling the broker's memory and store. user_limits and group_limits may set "
+        "'max_queued' per user or group. 0 = unlimited. Example: 1000.",
+    )
+
     shared_mps = Unicode(
         "auto",
         config=True,
@@ -160,26 +180,6 @@ class LimitsPolicy(Configurable):
     @validate("group_quotas")
     def _valid_quotas(self, proposal: dict[str, Any]) -> dict[str, Any]:
         return _check_limits("group_quotas", proposal["value"], QUOTA_KEYS)
-
-    @validate("fairshare_weight")
-    def _valid_weight(self, proposal: dict[str, Any]) -> float:
-        if not proposal["value"] > 0:
-            raise ValueError(f"LeasePolicy.fairshare_weight={proposal['value']!r}: must be > 0")
-        return float(proposal["value"])
-
-    @validate("gpu_hours_per_day", "fairshare_half_life_seconds", "max_reservation_seconds")
-    def _valid_nonneg_limits(self, proposal: dict[str, Any]) -> float:
-        value = proposal["value"]
-        if value < 0:
-            raise ValueError(f"LeasePolicy.{proposal['trait'].name}={value!r}: must be >= 0")
-        return float(value)
-
-    @validate("preempt_grace_seconds")
-    def _valid_grace(self, proposal: dict[str, Any]) -> dict[str, float]:
-        for cls, grace in proposal["value"].items():
-            if grace < 0:
-                raise ValueError(f"LeasePolicy.preempt_grace_seconds[{cls!r}]={grace!r}: must be >= 0")
-        return dict(proposal["value"])
 
     # ------------------------------------------------------------------------------------------
     # groups_of() and limit() run several times per request: their answers are kept until a trait changes
@@ -236,7 +236,7 @@ class LimitsPolicy(Configurable):
         if found:
             if key == "priority_classes":
                 return sorted({c for classes in found for c in classes})
-            if any(v == 0 for v in found) and key in ("max_gpus", "gpu_hours_per_day"):
+            if any(v == 0 for v in found) and key in ("max_gpus", "gpu_hours_per_day", "max_queued"):
                 return 0.0  # 0 = unlimited: the most generous
             return max(found)
         default = getattr(self, LIMIT_KEYS[key])
@@ -282,6 +282,14 @@ class LimitsPolicy(Configurable):
                 f"Priority class {priority!r} is not allowed for {user}: use one of {', '.join(allowed)}",
                 reason="priority_not_allowed",
             )
+
+    def check_queued(self, user: str, queued: int) -> None:
+        """Refuse one more request of ``user``, who has ``queued`` waiting, at their ``max_queued_per_user``."""
+        cap = int(self.limit(user, "max_queued"))
+        if cap and queued >= cap:
+            raise TooManyRequests(
+                f"{user} has {queued} requests waiting, the most one user may queue (max_queued_per_user={cap}): "
+                "cancel some, or ask again once some were granted", reason="queue_full", extra={"limit": cap})
 
     def day_quotas(self, user: str) -> dict[str, float]:
         """GPU-seconds per 24 h that bound ``user``: by the user, and by each of their groups ("@group")."""

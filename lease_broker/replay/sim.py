@@ -69,6 +69,8 @@ class _Sim:
         self.cluster = cluster
         starts = [b.start for b in trace.bursts] + [s.start for s in trace.sessions]
         self.clock = VirtualClock(start=OFFSET + min(starts, default=0.0))
+        if policy.max_queued_per_user:  # a trace is demand to replay, not a flood to refuse: no cap on a user's queue
+            policy = policy_copy(policy, max_queued_per_user=0)
         self.policy = policy
         self.m = LeaseManager(
             Store(":memory:"),

@@ -76,7 +76,7 @@ class AdminStore:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.db = store.db
-        self.db.executescript(_SCHEMA)
+        store.add_tables(_SCHEMA)
 
     # --- reservations --------------------------------------------------------------------------
     def add_reservation(self, r: Reservation) -> None:

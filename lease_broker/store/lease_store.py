@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -92,6 +93,17 @@ class StoreError(Unavailable):
     reason = "store_unavailable"
 
 
+#: The tables of the first schema: every store that is not new has all of them.
+_FIRST_TABLES = frozenset({"meta", "leases", "transitions", "drains", "processes", "tokens"})
+_TABLE_RE = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+)")
+
+
+def _damaged(path: str, what: str) -> StoreError:
+    return StoreError(f"The lease store {path!r} is damaged: {what}. Restore it from a backup (see 'Store: upgrading "
+                      "and backing up' in the admin guide), or move it aside to start with an empty store; the broker "
+                      "never silently forgets leases", reason="store_damaged")
+
+
 def _private_file(path: str) -> None:
     """Create the store 0600 (SQLite gives its -wal/-shm files the same mode); tighten an older one."""
     try:
@@ -124,7 +136,7 @@ class Store:
             if path != ":memory:":  # checkpoints (they fsync) run in a thread of their own, not in a transition
                 self.db.execute("PRAGMA wal_autocheckpoint=0")
             self.db.execute("PRAGMA foreign_keys=ON")
-            self.db.executescript(_SCHEMA)
+            self.add_tables(_SCHEMA)
             check = self.db.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {check}")
@@ -148,6 +160,28 @@ class Store:
         #: called before lease rows are read (the group commit writes what it holds into its open transaction)
         self.before_read: Callable[[], None] | None = None
         self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
+
+    def add_tables(self, script: str) -> None:
+        """Run ``script`` (``CREATE TABLE IF NOT EXISTS``): a table this store never had is created (a new store, a
+        newer broker's additive table), one it had and lost is refused, naming it: an empty table in its place would
+        silently forget what it held (the leases' history, reservations, the outbox). The tables a store has had are
+        kept in ``meta`` ('tables'); a store that has any table of the first schema has had them all."""
+        names = _TABLE_RE.findall(script)
+        present = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        had = set(_FIRST_TABLES) if present & _FIRST_TABLES else set()
+        if "meta" in present:
+            row = self.db.execute("SELECT value FROM meta WHERE key='tables'").fetchone()
+            try:
+                had.update(json.loads(row[0]) if row else ())
+            except (ValueError, TypeError) as e:
+                raise _damaged(self.path, f"its list of tables cannot be read ({e})") from e
+        lost = sorted(had.intersection(names) - present)
+        if lost:
+            raise _damaged(self.path, f"its table{'s' if len(lost) > 1 else ''} {', '.join(map(repr, lost))} "
+                                      "went missing (dropped or cut off)")
+        self.db.executescript(script)
+        if not had.issuperset(names):
+            self.db.execute("REPLACE INTO meta VALUES ('tables', ?)", (json.dumps(sorted(had.union(names))),))
 
     def transaction(self) -> "_Tx":
         return _Tx(self)
@@ -232,7 +266,13 @@ class Store:
         except (ValueError, TypeError):  # a damaged row: parse row by row, so the error is about that row
             decoded = [None] * len(rows)
         requests: dict[str, LeaseRequest] = {}
-        return [from_row(r, d, requests) for r, d in zip(rows, decoded, strict=True)]
+        leases = []
+        for r, d in zip(rows, decoded, strict=True):
+            try:
+                leases.append(from_row(r, d, requests))
+            except (ValueError, TypeError, KeyError) as e:
+                raise _damaged(self.path, f"the row of lease {r[0]!r} cannot be read ({e})") from e
+        return leases
 
     def get(self, lease_id: str) -> Lease | None:
         r = self.reading().execute(f"SELECT {COLUMNS} FROM leases WHERE id=?", (lease_id,)).fetchone()

@@ -49,7 +49,7 @@ class Outgoing:
 class NotifyStore:
     def __init__(self, store: Store) -> None:
         self.store = store
-        store.db.executescript(_SCHEMA)
+        store.add_tables(_SCHEMA)
 
     def prefs(self, user: str) -> list[str] | None:
         r = self.store.db.execute("SELECT events FROM notify_prefs WHERE user=?", (user,)).fetchone()

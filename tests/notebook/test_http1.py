@@ -166,3 +166,34 @@ def test_http1_connection_alone(tmp_path: Path) -> None:
     assert got.status == 200 and got.body == b"" and got.headers["content-length"] == "5"
     conn.close()
     server.sock.close()
+
+
+def test_the_token_goes_over_the_socket_only_when_the_server_asks_for_it(serve, monkeypatch) -> None:
+    """Over a Unix socket the uid names the caller: the environment's token is not sent, unless an answer is a 401
+    with a Bearer challenge; then that request again with it, and every later one (the same checked server)."""
+    monkeypatch.setenv("GPULEASE_TOKEN", "tok-1")
+
+    def hub_mode(conn: socket.socket, req: bytes) -> bool:
+        if b"\r\nAuthorization: Bearer tok-1" in req:
+            conn.sendall(answer(b'{"ok": 1}'))
+        else:
+            conn.sendall(answer(b'{"status": 401, "reason": "unauthorized", "message": "token"}', "401 Unauthorized",
+                                'WWW-Authenticate: Bearer realm="gpulease"\r\n'))
+        return True
+
+    server, _ = serve(hub_mode)
+    client = BrokerClient(f"unix://{server.path}", timeout=5)
+    assert client.request("POST", "/api/v1/leases", {"gpus": 1}) == {"ok": 1}
+    assert client.request("GET", "/api/v1/info") == {"ok": 1}
+    sent = [r.lower() for r in server.requests]
+    assert [b"authorization" in r for r in sent] == [False, True, True]
+    assert sent[1].endswith(b'{"gpus": 1}')  # the same request, body and all
+
+    def no_challenge(conn: socket.socket, req: bytes) -> bool:
+        conn.sendall(answer(b'{"status": 401, "reason": "unauthorized", "message": "no"}', "401 Unauthorized"))
+        return True
+
+    server, _ = serve(no_challenge)
+    with pytest.raises(BrokerError) as e:
+        BrokerClient(f"unix://{server.path}", timeout=5).request("GET", "/api/v1/info")
+    assert e.value.status == 401 and len(server.requests) == 1 and b"authorization" not in server.requests[0].lower()

@@ -172,15 +172,15 @@ def test_sample_reports_every_gpu(backend: Backend) -> None:
 
 
 def test_visible_devices_name_exactly_the_given_gpus(backend: Backend) -> None:
-    gpus = backend.inv.discover()
-    value = backend.inv.visible_devices(gpus[:2])
+    gpus = backend.inv.discover()[:2]  # two where the host has them (a real host may have one: seen on an H100)
+    value = backend.inv.visible_devices(gpus)
     parts = value.split(",")
-    assert len(parts) == 2 and len(set(parts)) == 2
+    assert len(parts) == len(gpus) and len(set(parts)) == len(gpus)
     assert all(re.fullmatch(backend.visible, part) for part in parts), value
     if backend.visible == UUID:
-        assert parts == [g.id for g in gpus[:2]]
+        assert parts == [g.id for g in gpus]
     else:  # indices on the node, as the node counts its devices
-        assert parts == [str(g.index) for g in gpus[:2]]
+        assert parts == [str(g.index) for g in gpus]
 
 
 def test_lease_active_follows_the_work_of_its_processes(backend: Backend, tmp_path: Path) -> None:

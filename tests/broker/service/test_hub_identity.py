@@ -272,14 +272,15 @@ def test_a_hub_admin_revokes_another_users_lease_from_the_sidebar(hub_broker) ->
 
 def test_unix_plus_hub_takes_a_token_when_sent_else_the_socket_uid(hub_broker, tmp_path) -> None:
     """identity 'unix+hub' (a host where some callers are Unix users and some are Hub servers): a Hub token names
-    its Hub user; a caller without a token is its Unix uid; a bad token is refused, never taken as the uid."""
+    its Hub user (written 'hub:NAME': not the Unix user of that name); a caller without a token is its Unix uid; a
+    bad token is refused, never taken as the uid."""
     import pwd
 
     hub, _ = hub_broker
     both = BrokerProcess(tmp_path / "both", gpus=2, args=[
         "--tick=0.1", "--identity=unix+hub", f"--HubIdentity.api_url={hub.api_url}"]).start()
     try:
-        assert _client(both, hub.token("bob")[0]).info()["user"]["name"] == "bob"
+        assert _client(both, hub.token("bob")[0]).info()["user"]["name"] == "hub:bob"
         me = pwd.getpwuid(os.getuid()).pw_name
         assert _client(both, None).info()["user"]["name"] == me
         assert _status(lambda: _client(both, "f" * 32).info()) == 401
@@ -338,7 +339,9 @@ def test_no_forged_or_revoked_token_is_refused_with_the_fix(hub_broker) -> None:
 
 
 # ----------------------------------------------------------------------------- the Hub down (last: stops it)
-def test_hub_down_keeps_leases_and_refuses_new_tokens_with_503(hub_broker) -> None:
+def test_hub_down_keeps_leases_and_refuses_tokens_it_cannot_check_with_503(hub_broker) -> None:
+    """With cache_seconds = 0 no answer is kept: while the Hub is down every Hub token gets 503 naming the Hub,
+    and granted leases run on (test_hub_security checks what a kept answer does through an outage)."""
     hub, broker = hub_broker
     token, _ = hub.token("alice")
     unseen, _ = hub.token("bob")  # issued while the Hub is up, never shown to the broker
@@ -347,14 +350,11 @@ def test_hub_down_keeps_leases_and_refuses_new_tokens_with_503(hub_broker) -> No
     assert lease.state == "granted"
     hub.stop()
     try:
-        # the holder keeps working with the Hub's last answer: sees, renews and heartbeats the lease
-        assert alice.lease(lease.id).state == "granted"
-        assert alice.renew(lease.id, 600).state == "granted"
-        alice.heartbeat(lease.id)
-        with pytest.raises(BrokerError) as down:
-            _client(broker, unseen).info()
-        assert (down.value.status, down.value.reason) == (503, "hub_unavailable")
-        assert hub.api_url in down.value.message
+        for who in (alice, _client(broker, unseen)):
+            with pytest.raises(BrokerError) as down:
+                who.info()
+            assert (down.value.status, down.value.reason) == (503, "hub_unavailable")
+            assert hub.api_url in down.value.message
     finally:
         hub.start()
     # back: the token the broker could not check is accepted, nothing was lost

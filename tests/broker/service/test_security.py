@@ -23,6 +23,8 @@ from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
+pytestmark = pytest.mark.attack  # each test is an attack that must fail (BENCHMARKS.md: Reliability)
+
 
 def _shared_socket_dir() -> str:
     d = tempfile.mkdtemp(prefix="gl-sec")
@@ -117,8 +119,8 @@ def test_socket_directory_writable_by_others_is_refused(broker_factory, tmp_path
     d.mkdir()
     os.chmod(d, 0o777)
     with pytest.raises(RuntimeError) as e:
-        broker_factory(gpus=1, socket_path=str(d / "b.sock"), name="open")
-    assert "writable by every user" in str(e.value) and "--socket" in str(e.value)
+        broker_factory(gpus=1, socket_path=str(d / "b.sock"), name="elsewhere")  # the store elsewhere
+    assert "can be written by other users" in str(e.value) and str(d) in str(e.value) and "--socket" in str(e.value)
     assert not (d / "b.sock").exists()
 
 

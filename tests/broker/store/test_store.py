@@ -11,7 +11,9 @@ import pytest
 from lease_broker.core.lease import Lease, LeaseRequest, LeaseState
 from lease_broker.inventory.simulated import _NAMESPACE, SimulatedInventory, gpu_uuid
 from lease_broker.store import lease_store as store_module
-from lease_broker.store.lease_store import Store
+from lease_broker.store.admin_store import AdminStore
+from lease_broker.store.lease_store import SCHEMA_VERSION, Store, StoreError
+from lease_broker.store.notify_store import NotifyStore
 
 
 def _fill(db: str, n: int) -> list[Lease]:
@@ -65,8 +67,62 @@ def test_a_damaged_row_is_named_not_skipped(tmp_path: Path, damage: str) -> None
     with sqlite3.connect(db) as raw:
         raw.execute("UPDATE leases SET request=? WHERE id='l-0003'", (damage,))
     # the fast path parses every row in one document; damage must not shift rows or drop leases silently
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(StoreError) as e:
         Store(db).live()
+    assert "'l-0003'" in e.value.message and "backup" in e.value.message
+
+
+STORE_TABLES = {"meta", "leases", "transitions", "drains", "processes", "tokens"}
+ADMIN_TABLES = {"reservations", "policy_audit", "preemptions", "learned_groups"}
+
+
+def _tables(db: str) -> set[str]:
+    with sqlite3.connect(db) as raw:
+        return {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type='table'")} - {"sqlite_sequence"}
+
+
+def test_a_new_store_gets_every_table(tmp_path: Path) -> None:
+    db = str(tmp_path / "new.db")
+    store = Store(db)
+    AdminStore(store)
+    NotifyStore(store)
+    store.close()
+    assert _tables(db) == STORE_TABLES | ADMIN_TABLES | {"notify_prefs", "notify_outbox"}
+    Path(tmp_path / "empty.db").touch()  # an empty file is a new store too
+    Store(str(tmp_path / "empty.db")).close()
+    assert STORE_TABLES <= _tables(str(tmp_path / "empty.db"))
+
+
+@pytest.mark.parametrize("table", ["transitions", "leases", "meta", "reservations"])
+def test_a_dropped_table_is_refused_naming_it_never_recreated_empty(tmp_path: Path, table: str) -> None:
+    db = str(tmp_path / "s.db")
+    _fill(db, 2)
+    AdminStore(Store(db)).store.close()
+    with sqlite3.connect(db) as raw:
+        raw.execute(f"DROP TABLE {table}")
+    with pytest.raises(StoreError) as e:
+        AdminStore(Store(db))
+    assert repr(table) in e.value.message and db in e.value.message and "backup" in e.value.message
+    assert table not in _tables(db)  # not recreated empty
+
+
+def test_an_older_store_without_newer_tables_gets_them_and_is_upgraded(tmp_path: Path) -> None:
+    """A schema-1 store of a broker from before the admin tables and leases.usage: opened, upgraded, nothing lost."""
+    db = str(tmp_path / "old.db")
+    written = _fill(db, 4)
+    with sqlite3.connect(db) as raw:
+        for table in ADMIN_TABLES:
+            raw.execute(f"DROP TABLE IF EXISTS {table}")
+        raw.execute("DELETE FROM meta WHERE key='tables'")  # what an older broker kept
+        raw.execute("ALTER TABLE leases DROP COLUMN usage")
+        raw.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    store = Store(db)
+    AdminStore(store)
+    assert [x.id for x in store.live()] == [x.id for x in written]
+    store.close()
+    assert ADMIN_TABLES <= _tables(db)
+    with sqlite3.connect(db) as raw:
+        assert raw.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
 
 
 def test_simulated_gpu_ids_are_the_uuid5_ids_leases_refer_to() -> None:

@@ -1,0 +1,1239 @@
+"""The checks that need a real NVIDIA GPU, in one bounded run (``make gpu-check``; issue 33, item 7).
+
+Run it with the machine's own ``python3`` (the one that has PyTorch with CUDA), from the repository root:
+
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py [--out DIR]      # DIR defaults to $OUT, else /tmp/gpulease-gpu-check
+
+It does, each step bounded by a timeout (the whole run ends in under 6 minutes):
+
+1. **Real-NVML contract tests**: ``tests/broker/inventory/test_inventory_contract.py -k nvml-real`` (the tests skipped
+   for want of a GPU elsewhere), with the project's pure-Python dependencies the machine lacks (tornado, traitlets)
+   installed from ``.whl/`` when present (see /work/.library/device/README.md); and a real broker on the NVML
+   inventory granting and releasing a lease on the GPU.
+2. **The CUDA driver's checkpoint API** (``cuCheckpointProcessLock/Checkpoint/Restore/Unlock/GetState`` through
+   ``ctypes`` on ``libcuda.so.1``): a child process holds ~10 GiB of random torch tensors (seeded, so the exact bits
+   can be regenerated and compared) and a captured CUDA graph; this process locks and checkpoints it (timed), stops
+   it (SIGSTOP), shows through NVML that its memory is free and lets another process allocate most of the GPU,
+   continues it (SIGCONT), restores and unlocks it (timed); the child checks its tensors are bit-identical and its
+   graph replays to the same bits. Then: the same with a busy child, the restore given an explicit same-GPU UUID
+   pair and tried while the child is still stopped; a restore tried while another process holds the GPU's memory;
+   calls made out of order (the error codes a fake libcuda must copy); and the baseline, in the same child: the
+   same tensors copied to host memory (pageable and pinned), pickled (cloudpickle, as parking does) and saved
+   (torch.save to /dev/shm), and back.
+3. Everything measured goes into one JSON file, ``gpu_check.json``, in the output folder, with the logs beside it.
+
+Why ctypes and not NVIDIA's ``cuda-bindings``: the checkpoint calls are six C functions taking a pid and a 64-byte
+struct, so ctypes needs no package on the worker hosts (whose Python is the user's kernel environment, not ours), is
+independent of the bindings' version matching the driver's, and loads whatever ``libcuda.so.1`` the loader finds, so
+CI can substitute a fake library exporting the same entry points (as the NVML tests do with libnvidia-ml). The script
+records whether ``cuda-bindings`` on the machine exposes the same calls, for comparison.
+
+Exit status: 0 when every check that ran passed, or when there is no NVIDIA GPU here (it says so); 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import glob
+import json
+import os
+import platform
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+DEADLINE_S = 345.0  # the whole run: a watchdog writes the JSON and ends it after this
+T0 = time.monotonic()
+
+# ------------------------------------------------------------------------------------------------ the record
+RESULT: dict[str, Any] = {"errors": []}
+OUT_DIR = Path("/tmp/gpulease-gpu-check")
+_LOG: Any = None
+_CHILDREN: list[subprocess.Popen[Any]] = []  # every process this script started, ended by pid at exit
+
+
+def elapsed() -> float:
+    return round(time.monotonic() - T0, 3)
+
+
+def log(msg: str) -> None:
+    line = f"[{elapsed():7.1f}s] {msg}"
+    print(line, flush=True)
+    if _LOG is not None:
+        _LOG.write(line + "\n")
+        _LOG.flush()
+
+
+def save() -> None:
+    RESULT["elapsed_s"] = elapsed()
+    tmp = OUT_DIR / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(RESULT, indent=2, default=str))
+    os.replace(tmp, OUT_DIR / "gpu_check.json")
+
+
+def error(where: str, exc: BaseException | str) -> None:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    RESULT["errors"].append({"where": where, "error": text, "at_s": elapsed()})
+    log(f"ERROR in {where}: {text}")
+    if not isinstance(exc, str):
+        tb = traceback.format_exc()
+        if "NoneType: None" not in tb:
+            RESULT["errors"][-1]["traceback"] = tb[-3000:]
+    save()
+
+
+def left() -> float:
+    return DEADLINE_S - (time.monotonic() - T0)
+
+
+def sh(cmd: list[str], timeout: float = 30) -> dict[str, Any]:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return {"rc": r.returncode, "stdout": r.stdout[-4000:], "stderr": r.stderr[-2000:]}
+    except Exception as e:  # missing program, timeout
+        return {"rc": None, "error": f"{type(e).__name__}: {e}"}
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's state letter of a process (R, S, T = stopped, Z, ...)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def vm_rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def install_wheels() -> dict[str, Any]:
+    """The project's pure-Python dependencies this Python lacks, from .whl/ (carried to the device machine)."""
+    missing = []
+    for mod in ("tornado", "traitlets", "prometheus_client", "pynvml"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    info: dict[str, Any] = {"missing_before": missing, "wheels": sorted(p.name for p in (ROOT / ".whl").glob("*.whl"))}
+    site = Path(tempfile.gettempdir()) / "gpulease-site"
+    if missing and info["wheels"]:
+        r = sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, (ROOT / ".whl").glob("*.whl"))],
+               timeout=120)
+        info["pip"] = r
+    if site.is_dir():
+        sys.path.insert(0, str(site))
+    paths = [str(site), str(ROOT), str(ROOT / "tests")]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    still = []
+    for mod in missing:
+        try:
+            __import__(mod)
+        except ImportError:
+            still.append(mod)
+    info["missing_after"] = still
+    return info
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0], "python_executable": sys.executable,
+        "kernel": platform.release(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "host_mem_available": mem_available(),
+    }
+    q = sh(["nvidia-smi", "--query-gpu=name,uuid,driver_version,memory.total,memory.used,persistence_mode,"
+            "compute_mode", "--format=csv,noheader"])
+    env["nvidia_smi"] = q.get("stdout", "").strip() or q
+    r = sh([sys.executable, "-c", "import torch,json;print(json.dumps({'torch':torch.__version__,"
+            "'cuda':torch.version.cuda,'available':torch.cuda.is_available(),"
+            "'name':torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))"], timeout=90)
+    try:
+        env["torch"] = json.loads(r["stdout"].strip().splitlines()[-1])
+    except Exception:
+        env["torch"] = r
+    env["dev_shm_free"] = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+    return env
+
+
+def gpu_present() -> str | None:
+    """Why there is no NVIDIA GPU to check here, or None."""
+    if os.environ.get("GPU_CHECK_FORCE"):
+        return None
+    if not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")):
+        return "no NVIDIA driver or GPU on this machine"
+    if not shutil.which("nvidia-smi") and not os.path.exists("/dev/nvidia0"):
+        return "no NVIDIA GPU device"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ NVML
+class Nvml:
+    """What NVML says about the GPU and its processes (pynvml when importable, else nvidia-smi)."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.why = ""
+        try:
+            import pynvml
+
+            self.nv = pynvml
+            pynvml.nvmlInit()
+            self.h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self.ok = True
+        except Exception as e:
+            self.why = f"{type(e).__name__}: {e}"
+
+    def snapshot(self) -> dict[str, Any]:
+        s: dict[str, Any] = {"via": "pynvml" if self.ok else "nvidia-smi"}
+        if self.ok:
+            nv = self.nv
+            try:
+                m = nv.nvmlDeviceGetMemoryInfo(self.h)
+                s.update(used=int(m.used), total=int(m.total), free=int(m.free))
+                procs = nv.nvmlDeviceGetComputeRunningProcesses(self.h)
+                s["processes"] = [{"pid": int(p.pid), "used": None if p.usedGpuMemory is None else int(p.usedGpuMemory)}
+                                  for p in procs]
+            except Exception as e:
+                s["error"] = f"{type(e).__name__}: {e}"
+            return s
+        q = sh(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
+        a = sh(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
+        try:
+            used, total = (int(x) << 20 for x in q["stdout"].split(","))
+            s.update(used=used, total=total, free=total - used)
+            s["processes"] = [{"pid": int(p), "used": int(u) << 20} for p, u in
+                              (line.split(",") for line in a["stdout"].strip().splitlines() if line.strip())]
+        except Exception as e:
+            s["error"] = f"{type(e).__name__}: {e} ({q}, {a})"
+        return s
+
+    def info(self) -> dict[str, Any]:
+        if not self.ok:
+            return {"error": self.why}
+        nv = self.nv
+
+        def txt(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+
+        d: dict[str, Any] = {}
+        for key, fn in [("name", lambda: txt(nv.nvmlDeviceGetName(self.h))),
+                        ("uuid", lambda: txt(nv.nvmlDeviceGetUUID(self.h))),
+                        ("driver", lambda: txt(nv.nvmlSystemGetDriverVersion())),
+                        ("cuda_driver_version", lambda: nv.nvmlSystemGetCudaDriverVersion()),
+                        ("count", lambda: nv.nvmlDeviceGetCount()),
+                        ("persistence_mode", lambda: nv.nvmlDeviceGetPersistenceMode(self.h)),
+                        ("memory_total", lambda: int(nv.nvmlDeviceGetMemoryInfo(self.h).total))]:
+            try:
+                d[key] = fn()
+            except Exception as e:
+                d[key] = f"error: {type(e).__name__}: {e}"
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ libcuda (ctypes)
+CU_STATES = {0: "RUNNING", 1: "LOCKED", 2: "CHECKPOINTED", 3: "FAILED"}
+
+
+class LockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class CheckpointArgs(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class GpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", ctypes.c_ubyte * 16), ("newUuid", ctypes.c_ubyte * 16)]
+
+
+class RestoreArgs(ctypes.Structure):
+    _fields_ = [("gpuPairs", ctypes.POINTER(GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * 44), ("reserved1", ctypes.c_uint64)]
+
+
+class UnlockArgs(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class Cuda:
+    """The driver API calls this check makes, through ctypes on libcuda.so.1 (GPU_CHECK_LIBCUDA: another path)."""
+
+    def __init__(self) -> None:
+        self.path = os.environ.get("GPU_CHECK_LIBCUDA", "libcuda.so.1")
+        self.lib = ctypes.CDLL(self.path)
+        c_int, c_uint, P = ctypes.c_int, ctypes.c_uint, ctypes.POINTER
+        self.missing = []
+        sigs: dict[str, list[Any]] = {
+            "cuInit": [c_uint], "cuDriverGetVersion": [P(c_int)],
+            "cuGetErrorName": [c_int, P(ctypes.c_char_p)], "cuDeviceGet": [P(c_int), c_int],
+            "cuDeviceGetUuid_v2": [ctypes.c_void_p, c_int], "cuDeviceGetUuid": [ctypes.c_void_p, c_int],
+            "cuCheckpointProcessGetState": [c_int, P(c_int)],
+            "cuCheckpointProcessGetRestoreThreadId": [c_int, P(c_int)],
+            "cuCheckpointProcessLock": [c_int, P(LockArgs)],
+            "cuCheckpointProcessCheckpoint": [c_int, P(CheckpointArgs)],
+            "cuCheckpointProcessRestore": [c_int, P(RestoreArgs)],
+            "cuCheckpointProcessUnlock": [c_int, P(UnlockArgs)],
+        }
+        self.fn: dict[str, Any] = {}
+        for name, args in sigs.items():
+            try:
+                f = getattr(self.lib, name)
+            except AttributeError:
+                self.missing.append(name)
+                continue
+            f.argtypes, f.restype = args, c_int
+            self.fn[name] = f
+
+    def errname(self, rc: int | None) -> str | None:
+        if rc is None:
+            return None
+        if rc == 0:
+            return "CUDA_SUCCESS"
+        s = ctypes.c_char_p()
+        if "cuGetErrorName" in self.fn and self.fn["cuGetErrorName"](rc, ctypes.byref(s)) == 0 and s.value:
+            return s.value.decode()
+        return f"CUresult {rc}"
+
+    def init(self) -> dict[str, Any]:
+        rc = self.fn["cuInit"](0)
+        v = ctypes.c_int()
+        rv = self.fn["cuDriverGetVersion"](ctypes.byref(v))
+        d: dict[str, Any] = {"library": self.path, "cuInit": self.errname(rc), "cuDriverGetVersion": v.value,
+                             "cuDriverGetVersion_rc": self.errname(rv), "missing_entry_points": self.missing}
+        dev = ctypes.c_int()
+        if rc == 0 and self.fn["cuDeviceGet"](ctypes.byref(dev), 0) == 0:
+            buf = (ctypes.c_ubyte * 16)()
+            get = self.fn.get("cuDeviceGetUuid_v2") or self.fn.get("cuDeviceGetUuid")
+            if get is not None and get(ctypes.byref(buf), dev.value) == 0:
+                self.uuid = bytes(buf)
+                h = self.uuid.hex()
+                d["device0_uuid"] = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        return d
+
+    def state(self, pid: int) -> dict[str, Any]:
+        s = ctypes.c_int(-1)
+        rc = self.fn["cuCheckpointProcessGetState"](pid, ctypes.byref(s))
+        return {"rc": self.errname(rc), "state": CU_STATES.get(s.value, s.value) if rc == 0 else None}
+
+    def restore_tid(self, pid: int) -> dict[str, Any]:
+        if "cuCheckpointProcessGetRestoreThreadId" not in self.fn:
+            return {"rc": "missing"}
+        t = ctypes.c_int(-1)
+        rc = self.fn["cuCheckpointProcessGetRestoreThreadId"](pid, ctypes.byref(t))
+        return {"rc": self.errname(rc), "tid": t.value if rc == 0 else None}
+
+    def call(self, what: str, pid: int, timeout: float, **kw: Any) -> dict[str, Any]:
+        """One checkpoint call in a thread, bounded: {rc, seconds} or {timeout: True, thread} when it hangs."""
+        if what == "lock":
+            args: Any = LockArgs(timeoutMs=kw.get("timeout_ms", 20000))
+            f = self.fn["cuCheckpointProcessLock"]
+        elif what == "checkpoint":
+            args, f = CheckpointArgs(), self.fn["cuCheckpointProcessCheckpoint"]
+        elif what == "restore":
+            args, f = RestoreArgs(), self.fn["cuCheckpointProcessRestore"]
+            pairs = kw.get("pairs")
+            if pairs:
+                arr = (GpuPair * len(pairs))()
+                for i, (old, new) in enumerate(pairs):
+                    arr[i].oldUuid[:] = list(old)
+                    arr[i].newUuid[:] = list(new)
+                args.gpuPairs = ctypes.cast(arr, ctypes.POINTER(GpuPair))
+                args.gpuPairsCount = len(pairs)
+                args._keep = arr  # type: ignore[attr-defined]
+        elif what == "unlock":
+            args, f = UnlockArgs(), self.fn["cuCheckpointProcessUnlock"]
+        else:
+            raise ValueError(what)
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            t = time.perf_counter()
+            box["rc"] = f(pid, ctypes.byref(args))
+            box["seconds"] = round(time.perf_counter() - t, 4)
+
+        th = threading.Thread(target=run, daemon=True, name=f"cu-{what}")
+        th.start()
+        th.join(timeout)
+        if th.is_alive():
+            return {"call": what, "timeout": True, "bound_s": timeout, "thread": th, "box": box}
+        return {"call": what, "rc": self.errname(box["rc"]), "ok": box["rc"] == 0, "seconds": box["seconds"]}
+
+
+def header_facts() -> dict[str, Any]:
+    """The checkpoint structs and prototypes as this machine's cuda.h declares them, and their sizes (compiled)."""
+    cands = [*glob.glob("/usr/local/cuda*/include/cuda.h"), *glob.glob("/usr/local/cuda*/targets/*/include/cuda.h"),
+             *glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "*", "include", "cuda.h")),
+             *glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "cu*", "include",
+                                     "cuda.h"))]
+    d: dict[str, Any] = {"ctypes_sizes": {c.__name__: ctypes.sizeof(c) for c in
+                                          (LockArgs, CheckpointArgs, GpuPair, RestoreArgs, UnlockArgs)},
+                         "ctypes_offset_gpuPairsCount": RestoreArgs.gpuPairsCount.offset}
+    if not cands:
+        d["cuda_h"] = None
+        return d
+    h = cands[0]
+    d["cuda_h"] = h
+    text = Path(h).read_text(errors="replace")
+    d["structs"] = re.findall(r"typedef struct CUcheckpoint\w*_st \{.*?\} \w+;", text, re.S)
+    d["prototypes"] = re.findall(r"CUresult CUDAAPI cuCheckpointProcess\w+\([^;]*\);", text)
+    m = re.search(r"typedef enum CUprocessState_enum \{.*?\}", text, re.S)
+    d["states_enum"] = m.group(0) if m else None
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc:
+        src = Path(tempfile.mkdtemp(prefix="glh")) / "sz.c"
+        src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "cuda.h"\nint main(void){'
+                       'printf("%zu %zu %zu %zu %zu %zu %zu\\n", sizeof(CUcheckpointLockArgs), '
+                       'sizeof(CUcheckpointCheckpointArgs), sizeof(CUcheckpointGpuPair), '
+                       'sizeof(CUcheckpointRestoreArgs), sizeof(CUcheckpointUnlockArgs), '
+                       'offsetof(CUcheckpointRestoreArgs, gpuPairsCount), offsetof(CUcheckpointLockArgs, timeoutMs));'
+                       'return 0;}\n')
+        exe = src.with_suffix("")
+        r = sh([cc, "-I", str(Path(h).parent), "-o", str(exe), str(src)], timeout=60)
+        if r.get("rc") == 0:
+            out = sh([str(exe)])["stdout"].split()
+            d["c_sizes"] = dict(zip(["LockArgs", "CheckpointArgs", "GpuPair", "RestoreArgs", "UnlockArgs",
+                                     "offset_gpuPairsCount", "offset_timeoutMs"], map(int, out), strict=False))
+        else:
+            d["c_sizes"] = r
+    return d
+
+
+def cuda_bindings_facts() -> dict[str, Any]:
+    code = ("import json\nd={}\ntry:\n import cuda.bindings, cuda.bindings.driver as drv\n"
+            " d['version']=getattr(cuda.bindings,'__version__',None)\n"
+            " d['has']={n:hasattr(drv,n) for n in ['cuCheckpointProcessLock','cuCheckpointProcessCheckpoint',"
+            "'cuCheckpointProcessRestore','cuCheckpointProcessUnlock','cuCheckpointProcessGetState',"
+            "'cuCheckpointProcessGetRestoreThreadId','CUcheckpointGpuPair']}\n"
+            "except Exception as e:\n d['error']=repr(e)\nprint(json.dumps(d))")
+    r = sh([sys.executable, "-c", code], timeout=60)
+    try:
+        return json.loads(r["stdout"].strip().splitlines()[-1])
+    except Exception:
+        return r
+
+
+# ------------------------------------------------------------------------------------------------ child processes
+class Child:
+    """A process of this script in --child or --hog mode, spoken to by lines: '@@{json}' answers on stdout."""
+
+    def __init__(self, args: list[str], name: str) -> None:
+        self.name = name
+        self.err = open(OUT_DIR / "children.stderr", "ab")
+        self.err.write(f"---- {name} ----\n".encode())
+        self.err.flush()
+        self.proc = subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve()), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     bufsize=1)
+        _CHILDREN.append(self.proc)
+        self.pid = self.proc.pid
+        self.q: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                try:
+                    self.q.put(json.loads(line[2:]))
+                except ValueError:
+                    pass
+        self.q.put(None)
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        try:
+            msg = self.q.get(timeout=max(1.0, min(timeout, left())))
+        except queue.Empty:
+            return {"error": f"{self.name}: no answer within {timeout:.0f} s"}
+        if msg is None:
+            return {"error": f"{self.name} exited with {self.proc.wait(5)}"}
+        return msg
+
+    def ask(self, cmd: str, timeout: float) -> dict[str, Any]:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            return {"error": f"{self.name}: {e}"}
+        return self.read(timeout)
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                self.proc.kill()
+                self.proc.wait(20)
+            except Exception:
+                pass
+
+
+def child_main(n_tensors: int, tensor_mib: int) -> None:
+    """The process that is checkpointed: tensors of seeded random numbers and a captured CUDA graph."""
+    import torch
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write("@@" + json.dumps(obj, default=str) + "\n")
+        sys.stdout.flush()
+
+    dev = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+    cuda = dev == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    per = (tensor_mib << 20) // 4  # float32 elements per tensor
+
+    def make(i: int) -> Any:
+        g = torch.Generator(device=dev)
+        g.manual_seed(1000 + i)
+        return torch.randn(per, device=dev, generator=g)
+
+    def checksum(t: Any) -> int:
+        return int(t.view(torch.int32).sum(dtype=torch.int64).item())
+
+    t = time.perf_counter()
+    tensors = [make(i) for i in range(n_tensors)]
+    sync()
+    alloc_s = time.perf_counter() - t
+    sums = [checksum(x) for x in tensors]
+
+    # a captured CUDA graph over its own static input (two inputs, their outputs kept as references)
+    graph = None
+    g = torch.Generator(device=dev)
+    g.manual_seed(7)
+    n = 2048
+    x1, x2, w = (torch.randn(n, n, device=dev, generator=g) for _ in range(3))
+    static_x = x1.clone()
+
+    def f(x: Any) -> Any:
+        return torch.tanh(x @ w) * 0.5 + x
+
+    if cuda:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                f(static_x)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = f(static_x)
+    else:
+        static_y = f(static_x)
+
+    def replay(x: Any) -> Any:
+        nonlocal static_y
+        static_x.copy_(x)
+        if graph is not None:
+            graph.replay()
+        else:
+            static_y = f(static_x)
+        sync()
+        return static_y.clone()
+
+    ref1, ref2 = replay(x1), replay(x2)
+    graph_vs_eager = float((ref1 - f(x1)).abs().max().item())
+
+    def verify() -> dict[str, Any]:
+        t = time.perf_counter()
+        torch.ones(1, device=dev).add_(1)
+        sync()
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        bad = [i for i, x in enumerate(tensors) if not torch.equal(x, make(i))]
+        now = [checksum(x) for x in tensors]
+        g1, g2 = replay(x1), replay(x2)
+        if cuda:
+            torch.cuda.empty_cache()  # the regenerated copies: keep the footprint the same for the next cycle
+        return {"first_cuda_op_s": round(first, 4), "tensors": len(tensors), "tensors_bit_identical": not bad,
+                "tensors_differing": bad, "checksums_equal": now == sums,
+                "graph_replay_input1_bit_identical": bool(torch.equal(g1, ref1)),
+                "graph_replay_input2_bit_identical": bool(torch.equal(g2, ref2)),
+                "graph_captured": graph is not None, "verify_s": round(time.perf_counter() - t, 3),
+                **({"memory_allocated": torch.cuda.memory_allocated(), "memory_reserved": torch.cuda.memory_reserved()}
+                   if cuda else {})}
+
+    busy: dict[str, Any] = {}
+
+    def busy_loop() -> None:
+        a = torch.randn(4096, 4096, device=dev)
+        b = torch.randn(4096, 4096, device=dev)
+        ref = a @ b
+        sync()
+        stamps, ok = [time.monotonic()], True
+        while not busy["stop"].is_set():
+            c = a @ b
+            ok = ok and bool(torch.equal(c, ref))  # syncs
+            stamps.append(time.monotonic())
+        gaps = [b_ - a_ for a_, b_ in zip(stamps, stamps[1:], strict=False)] or [0.0]
+        busy["result"] = {"iterations": len(stamps) - 1, "all_results_equal": ok,
+                          "max_gap_s": round(max(gaps), 3), "median_gap_s": round(sorted(gaps)[len(gaps) // 2], 5)}
+
+    def baseline(budget: float) -> dict[str, Any]:
+        """The same tensors moved to host memory and back by the means a parking would use."""
+        res: dict[str, Any] = {"bytes": sum(x.numel() * 4 for x in tensors)}
+        start = time.monotonic()
+
+        def over() -> bool:
+            return time.monotonic() - start > budget
+
+        def drop() -> None:
+            tensors.clear()
+            if cuda:
+                torch.cuda.empty_cache()
+
+        def check(name: str) -> None:
+            res[name]["bit_identical"] = all(torch.equal(x, make(i)) for i, x in enumerate(tensors))
+
+        def cpu_copy() -> dict[str, Any]:
+            """plain copies to pageable host memory (x.cpu()) and back"""
+            sync()
+            t = time.perf_counter()
+            host = [x.cpu() for x in tensors]
+            to_host = time.perf_counter() - t
+            drop()
+            t = time.perf_counter()
+            tensors.extend(h.to(dev) for h in host)
+            sync()
+            return {"to_host_s": round(to_host, 3), "to_gpu_s": round(time.perf_counter() - t, 3)}
+
+        def pinned_copy() -> dict[str, Any]:
+            """into pinned host buffers and back: the copy engines' speed, what a checkpoint could at best reach"""
+            t = time.perf_counter()
+            pinned = [torch.empty(per, dtype=torch.float32, pin_memory=True) for _ in tensors]
+            pin_alloc = time.perf_counter() - t
+            t = time.perf_counter()
+            for p, x in zip(pinned, tensors, strict=True):
+                p.copy_(x, non_blocking=True)
+            sync()
+            to_host = time.perf_counter() - t
+            t = time.perf_counter()
+            for p, x in zip(pinned, tensors, strict=True):
+                x.copy_(p, non_blocking=True)
+            sync()
+            return {"pin_alloc_s": round(pin_alloc, 3), "to_host_s": round(to_host, 3),
+                    "to_gpu_s": round(time.perf_counter() - t, 3)}
+
+        def pickled() -> dict[str, Any]:
+            """cloudpickle in memory, as the project's session parking does"""
+            try:
+                import cloudpickle as pk  # type: ignore[import-not-found]
+            except ImportError:
+                import pickle as pk  # type: ignore[no-redef]
+            sync()
+            t = time.perf_counter()
+            blob = pk.dumps(list(tensors), protocol=5)
+            dumps = time.perf_counter() - t
+            drop()
+            t = time.perf_counter()
+            tensors.extend(pk.loads(blob))
+            sync()
+            return {"module": pk.__name__, "dumps_s": round(dumps, 3), "loads_s": round(time.perf_counter() - t, 3),
+                    "blob_bytes": len(blob)}
+
+        def saved() -> dict[str, Any]:
+            """torch.save to a file in /dev/shm (host memory) and torch.load back onto the GPU"""
+            where = "/dev/shm" if shutil.disk_usage("/dev/shm").free > res["bytes"] * 1.2 else tempfile.gettempdir()
+            path = os.path.join(where, f"gpulease-check-{os.getpid()}.pt")
+            try:
+                sync()
+                t = time.perf_counter()
+                torch.save(list(tensors), path)
+                save_s = time.perf_counter() - t
+                drop()
+                t = time.perf_counter()
+                tensors.extend(torch.load(path, map_location=dev))
+                sync()
+                return {"dir": where, "save_s": round(save_s, 3), "load_s": round(time.perf_counter() - t, 3)}
+            finally:
+                if os.path.exists(path):
+                    os.unlink(path)
+
+        for name, step in [("cpu_copy", cpu_copy), ("pinned_copy", pinned_copy), ("cloudpickle", pickled),
+                           ("torch_save", saved)]:
+            if over() or (name == "pinned_copy" and not cuda):
+                continue
+            try:
+                res[name] = step()
+                check(name)
+            except Exception as e:
+                res[name] = {"error": f"{type(e).__name__}: {e}"}
+            if len(tensors) != n_tensors:  # a step failed half-way: the same bits again, from the seeds
+                drop()
+                tensors.extend(make(i) for i in range(n_tensors))
+            if cuda:
+                torch.cuda.empty_cache()
+        res["skipped_for_time"] = over()
+        return res
+
+    say({"ready": True, "pid": os.getpid(), "device": dev, "alloc_s": round(alloc_s, 3), "tensors": n_tensors,
+         "tensor_bytes": per * 4, "total_bytes": per * 4 * n_tensors,
+         "memory_allocated": torch.cuda.memory_allocated() if cuda else None,
+         "memory_reserved": torch.cuda.memory_reserved() if cuda else None,
+         "graph_captured": graph is not None, "graph_vs_eager_max_abs_diff": graph_vs_eager,
+         "torch": torch.__version__})
+    for line in sys.stdin:
+        cmd, *rest = line.split()
+        try:
+            if cmd == "verify":
+                say(verify())
+            elif cmd == "busy_start":
+                busy.clear()
+                busy["stop"] = threading.Event()
+                busy["thread"] = threading.Thread(target=busy_loop, daemon=True)
+                busy["thread"].start()
+                say({"busy": True})
+            elif cmd == "busy_stop":
+                busy["stop"].set()
+                busy["thread"].join(60)
+                say(busy.get("result", {"error": "the busy loop did not end"}))
+            elif cmd == "baseline":
+                say(baseline(float(rest[0]) if rest else 100.0))
+            elif cmd == "exit":
+                say({"bye": True})
+                return
+            else:
+                say({"error": f"unknown command {cmd}"})
+        except Exception as e:
+            say({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
+
+
+def hog_main(mode: str, margin_mib: int) -> None:
+    """Another process taking most of the GPU's free memory: 'fill' allocates, writes and frees it; 'hold' keeps it
+    until told 'free'."""
+    import torch
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write("@@" + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    n = free - (margin_mib << 20)
+    t = time.perf_counter()
+    try:
+        x = torch.empty(n, dtype=torch.uint8, device="cuda")
+        x.fill_(0x5A)
+        torch.cuda.synchronize()
+        ok = bool((x[:: 1 << 20] == 0x5A).all().item())
+    except Exception as e:
+        say({"error": f"{type(e).__name__}: {e}", "free_before": free, "total": total, "asked": n})
+        return
+    res = {"free_before": free, "total": total, "allocated": n, "written_ok": ok,
+           "alloc_and_fill_s": round(time.perf_counter() - t, 3)}
+    if mode == "hold":
+        say({**res, "holding": True})
+        sys.stdin.readline()
+    del x
+    torch.cuda.empty_cache()
+    say({**res, "freed": True})
+
+
+# ------------------------------------------------------------------------------------------------ the experiment
+class Aborted(Exception):
+    pass
+
+
+def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.Namespace) -> None:
+    R: dict[str, Any] = RESULT.setdefault("checkpoint", {})
+    R["api"] = "ctypes on libcuda.so.1 (see the module docstring for why not cuda-bindings)"
+    try:
+        cu = Cuda()
+    except OSError as e:
+        error("libcuda", e)
+        return
+    R["driver"] = cu.init()
+    R["header"] = header_facts()
+    R["cuda_bindings"] = cuda_bindings_facts()
+    save()
+    if any(n.startswith("cuCheckpoint") for n in cu.missing):
+        error("libcuda", f"checkpoint entry points missing: {cu.missing}")
+        return
+    log(f"driver {R['driver']}")
+    if R["header"].get("c_sizes"):
+        log(f"cuda.h struct sizes {R['header']['c_sizes']} vs ctypes {R['header']['ctypes_sizes']}")
+
+    def state(pid: int) -> str | None:
+        st = cu.state(pid)
+        return st.get("state") or st.get("rc")
+
+    def call(what: str, pid: int, timeout: float = 60, **kw: Any) -> dict[str, Any]:
+        r = cu.call(what, pid, timeout, **kw)
+        th = r.pop("thread", None)
+        r.pop("box", None)
+        r["state_after"] = state(pid) if th is None else None
+        r["proc_state_after"] = proc_state(pid)
+        log(f"  {what}: {r}")
+        return r
+
+    # --- probes on processes that are not CUDA processes (fake libcuda must answer the same)
+    probes: dict[str, Any] = R.setdefault("probes", {})
+    sleeper = subprocess.Popen(["sleep", "300"])
+    _CHILDREN.append(sleeper)
+    probes["getstate_non_cuda_process"] = cu.state(sleeper.pid)
+    probes["getstate_own_process_after_cuInit"] = cu.state(os.getpid())
+    probes["getstate_no_such_pid"] = cu.state(4_000_000)
+    probes["lock_non_cuda_process"] = {k: v for k, v in cu.call("lock", sleeper.pid, 20, timeout_ms=2000).items()
+                                       if k not in ("thread", "box")}
+    sleeper.kill()
+    sleeper.wait()
+    log(f"probes: {probes}")
+    save()
+
+    # --- the child: ~10 GiB of tensors and a captured graph
+    snap0 = nvml.snapshot()
+    t = time.perf_counter()
+    child = Child(["--child", str(n_tensors), str(tensor_mib)], "child")
+    ready = child.read(150)
+    R["child"] = {**ready, "start_s": round(time.perf_counter() - t, 2)}
+    if not ready.get("ready"):
+        error("child", str(ready))
+        child.end()
+        return
+    pid = child.pid
+    R["nvml_before_child"] = snap0
+    R["nvml_child_running"] = snap_run = nvml.snapshot()
+    log(f"child {pid} ready: {ready}; GPU used {snap_run.get('used')}")
+    R["states"] = {"started": state(pid)}
+    R["restore_thread_id_running"] = cu.restore_tid(pid)
+    probes["unlock_when_running"] = call("unlock", pid, 20)
+    probes["restore_when_running"] = call("restore", pid, 20)
+    save()
+
+    def gpu_used() -> int | None:
+        return nvml.snapshot().get("used")
+
+    def cycle1() -> None:
+        # ============ cycle 1: the design's order: lock, checkpoint, SIGSTOP ... SIGCONT, restore, unlock
+        log("cycle 1: idle child; lock, checkpoint, SIGSTOP, other process fills the GPU, SIGCONT, restore, unlock")
+        c1: dict[str, Any] = R.setdefault("cycle1", {})
+        c1["host_mem_available_before"] = mem_available()
+        c1["child_rss_before"] = vm_rss(pid)
+        c1["lock"] = call("lock", pid)
+        if not c1["lock"].get("ok"):
+            raise Aborted("lock failed")
+        c1["probe_restore_when_locked"] = call("restore", pid, 20)
+        c1["checkpoint"] = call("checkpoint", pid, 120)
+        if not c1["checkpoint"].get("ok"):
+            raise Aborted("checkpoint failed")
+        c1["restore_thread_id_checkpointed"] = cu.restore_tid(pid)
+        c1["probe_unlock_when_checkpointed"] = call("unlock", pid, 20)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        c1["proc_state_after_sigstop"] = proc_state(pid)
+        c1["child_rss_checkpointed"] = vm_rss(pid)
+        c1["host_mem_available_checkpointed"] = mem_available()
+        c1["nvml_checkpointed"] = snap = nvml.snapshot()
+        c1["gpu_memory_freed_bytes"] = (snap_run.get("used") or 0) - (snap.get("used") or 0)
+        c1["child_listed_by_nvml_when_checkpointed"] = any(p["pid"] == pid for p in snap.get("processes", []))
+        log(f"  checkpointed: GPU used {snap_run.get('used')} -> {snap.get('used')}; child RSS "
+            f"{c1['child_rss_before']} -> {c1['child_rss_checkpointed']}; processes {snap.get('processes')}")
+        save()
+        t = time.perf_counter()
+        hog = Child(["--hog", "fill", "1024"], "hog")
+        c1["other_process_fill"] = {**hog.read(120), "wall_s": round(time.perf_counter() - t, 2)}
+        hog.proc.wait(30)
+        log(f"  other process: {c1['other_process_fill']}")
+        tot = (snap.get("total") or 0)
+        alloc = c1["other_process_fill"].get("allocated") or 0
+        c1["other_process_allocated_fraction_of_gpu"] = round(alloc / tot, 3) if tot else None
+        c1["other_process_used_the_childs_memory"] = bool(tot and alloc > tot - (snap_run.get("used") or 0))
+        c1["gpu_used_after_other_process"] = gpu_used()
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.1)
+        c1["proc_state_after_sigcont"] = proc_state(pid)
+        c1["restore"] = call("restore", pid, 120)
+        if not c1["restore"].get("ok"):
+            raise Aborted("restore failed")
+        c1["gpu_used_restored_locked"] = gpu_used()
+        c1["unlock"] = call("unlock", pid)
+        c1["child_rss_after"] = vm_rss(pid)
+        c1["nvml_after"] = nvml.snapshot()
+        c1["verify"] = v = child.ask("verify", 120)
+        log(f"  verify: {v}")
+        size = ready["total_bytes"] / GIB
+        c1["suspend_s"] = round(c1["lock"]["seconds"] + c1["checkpoint"]["seconds"], 4)
+        c1["resume_s"] = round(c1["restore"]["seconds"] + c1["unlock"]["seconds"], 4)
+        c1["checkpoint_GiB_per_s"] = round(size / max(c1["checkpoint"]["seconds"], 1e-6), 2)
+        c1["restore_GiB_per_s"] = round(size / max(c1["restore"]["seconds"], 1e-6), 2)
+        c1["passed"] = bool(v.get("tensors_bit_identical") and v.get("checksums_equal")
+                            and v.get("graph_replay_input1_bit_identical") and v.get("graph_replay_input2_bit_identical"))
+        R["states"]["cycle1"] = [c1[k].get("state_after") for k in ("lock", "checkpoint", "restore", "unlock")]
+
+    def baseline() -> None:
+        # ============ baseline: the same tensors, moved by host copies and pickling, in the same child
+        budget = max(20.0, min(110.0, left() - 150))
+        log(f"baseline (budget {budget:.0f} s)")
+        R["baseline"] = b = child.ask(f"baseline {budget:.0f}", budget + 90)
+        log(f"  baseline: {b}")
+
+    def cycle2() -> None:
+        # ============ cycle 2: a busy child; restore with an explicit same-GPU UUID pair, tried while still stopped
+        log("cycle 2: busy child; lock, checkpoint, SIGSTOP, restore(same-GPU UUID pair) while stopped, unlock")
+        c2: dict[str, Any] = R.setdefault("cycle2", {})
+        c2["busy_start"] = child.ask("busy_start", 30)
+        time.sleep(1.5)
+        c2["lock"] = call("lock", pid)
+        if not c2["lock"].get("ok"):
+            raise Aborted("lock (busy) failed")
+        c2["checkpoint"] = call("checkpoint", pid, 120)
+        if not c2["checkpoint"].get("ok"):
+            raise Aborted("checkpoint (busy) failed")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        c2["proc_state_after_sigstop"] = proc_state(pid)
+        c2["gpu_used_checkpointed"] = gpu_used()
+        pairs = [(cu.uuid, cu.uuid)] if getattr(cu, "uuid", None) else None
+        c2["restore_pairs"] = "same GPU UUID -> same GPU UUID" if pairs else "none (no UUID)"
+        r = cu.call("restore", pid, 15, pairs=pairs)
+        if r.get("timeout"):
+            c2["restore_while_stopped"] = "did not finish within 15 s while the process was stopped"
+            log("  restore while stopped: still running after 15 s; SIGCONT")
+            os.kill(pid, signal.SIGCONT)
+            r["thread"].join(90)
+            box = r["box"]
+            c2["restore"] = {"call": "restore", "rc": cu.errname(box.get("rc")), "ok": box.get("rc") == 0,
+                             "seconds_incl_stopped_wait": box.get("seconds"), "completed_after_sigcont": "rc" in box,
+                             "state_after": state(pid)}
+        else:
+            r["state_after"] = state(pid)
+            c2["restore_while_stopped"] = "finished while the process was stopped"
+            c2["restore"] = r
+            c2["proc_state_after_restore"] = proc_state(pid)
+            u = cu.call("unlock", pid, 15)
+            if u.get("timeout"):
+                c2["unlock_while_stopped"] = "did not finish within 15 s while stopped"
+                os.kill(pid, signal.SIGCONT)
+                u["thread"].join(60)
+                u = {"call": "unlock", "rc": cu.errname(u["box"].get("rc")), "seconds": u["box"].get("seconds")}
+            else:
+                c2["unlock_while_stopped"] = "finished while the process was stopped"
+            c2["unlock"] = {k: v for k, v in u.items() if k not in ("thread", "box")}
+            os.kill(pid, signal.SIGCONT)
+        log(f"  restore: {c2['restore']}; {c2['restore_while_stopped']}")
+        if proc_state(pid) == "T":
+            os.kill(pid, signal.SIGCONT)
+        if state(pid) == "CHECKPOINTED":  # the restore with the UUID pair failed: the plain one, to go on
+            c2["restore_retry_without_pairs"] = call("restore", pid, 120)
+        if "unlock" not in c2 or state(pid) == "LOCKED":
+            c2["unlock"] = call("unlock", pid)
+        time.sleep(1.0)
+        c2["busy_result"] = child.ask("busy_stop", 60)
+        c2["verify"] = v = child.ask("verify", 120)
+        log(f"  busy: {c2['busy_result']}; verify: {v}")
+        c2["passed"] = bool(v.get("tensors_bit_identical") and v.get("graph_replay_input1_bit_identical")
+                            and c2["busy_result"].get("all_results_equal"))
+        R["states"]["cycle2"] = [c2[k].get("state_after") for k in ("lock", "checkpoint", "restore", "unlock")]
+
+    def cycle3() -> None:
+        # ============ cycle 3: restore while another process holds the GPU's memory, then after it lets go
+        log("cycle 3: restore while another process holds the memory")
+        c3: dict[str, Any] = R.setdefault("cycle3", {})
+        c3["lock"] = call("lock", pid)
+        c3["checkpoint"] = call("checkpoint", pid, 120)
+        if not c3["checkpoint"].get("ok"):
+            raise Aborted("checkpoint (cycle 3) failed")
+        hog = Child(["--hog", "hold", "512"], "hog3")
+        c3["other_process_holds"] = hog.read(120)
+        r = cu.call("restore", pid, 30)
+        if r.get("timeout"):
+            c3["restore_under_pressure"] = {"timeout": True, "bound_s": 30}
+            hog.ask("free", 60)
+            r["thread"].join(90)
+            c3["restore_under_pressure"]["rc_after_other_freed"] = cu.errname(r["box"].get("rc"))
+        else:
+            c3["restore_under_pressure"] = {k: v for k, v in r.items() if k not in ("thread", "box")}
+            c3["restore_under_pressure"]["state_after"] = state(pid)
+            hog.ask("free", 60)
+        hog.proc.wait(30)
+        log(f"  restore under pressure: {c3['restore_under_pressure']}")
+        # retried once the other process has exited, after growing pauses (a failed restore may need time, or
+        # may leave the process unrestorable: the first device run, 2026-11-26, saw CUDA_ERROR_OPERATING_SYSTEM)
+        c3["restore_retries"] = retries = []
+        for pause in (0.0, 1.0, 3.0, 8.0):
+            if state(pid) != "CHECKPOINTED" or left() < 40:
+                break
+            time.sleep(pause)
+            retries.append({"after_pause_s": pause, "gpu_used_before": gpu_used(), **call("restore", pid, 120)})
+        c3["state_before_unlock"] = state(pid)
+        if c3["state_before_unlock"] == "LOCKED":
+            c3["unlock"] = call("unlock", pid)
+            c3["verify"] = v = child.ask("verify", 120)
+            c3["passed"] = bool(v.get("tensors_bit_identical") and v.get("graph_replay_input1_bit_identical"))
+            log(f"  verify: {v}")
+
+    def late_probes() -> None:
+        # ============ calls out of order that might change the state: last
+        probes["checkpoint_when_running"] = call("checkpoint", pid, 20)
+        if state(pid) == "CHECKPOINTED":
+            call("restore", pid, 60)
+            call("unlock", pid, 20)
+        probes["lock_twice"] = [call("lock", pid, 20), call("lock", pid, 20, timeout_ms=2000)]
+        if state(pid) == "LOCKED":
+            call("unlock", pid, 20)
+
+    def stage(name: str, fn: Any) -> bool:
+        try:
+            fn()
+            return True
+        except Aborted as e:
+            error(name, str(e))
+        except Exception as e:
+            error(name, e)
+        finally:
+            if proc_state(pid) == "T":
+                os.kill(pid, signal.SIGCONT)
+            save()
+        return False
+
+    def repeats() -> None:
+        # ============ plain cycles back to back (no stop, no other process): how much the times vary
+        rows: list[dict[str, Any]] = R.setdefault("repeats", [])
+        for _ in range(opts.repeat):
+            if left() < 90 or state(pid) != "RUNNING":
+                break
+            row = {k: call(k, pid, 120) for k in ("lock", "checkpoint", "restore", "unlock")}
+            rows.append({**{f"{k}_s": row[k].get("seconds") for k in row},
+                         "ok": all(row[k].get("ok") for k in row), "rc": {k: row[k].get("rc") for k in row}})
+            log(f"  repeat: {rows[-1]}")
+        v = child.ask("verify", 120)
+        R["repeats_verify"] = v
+        if not v.get("tensors_bit_identical"):
+            raise Aborted(f"repeats: verify failed {v}")
+
+    try:
+        ok1 = stage("cycle1", cycle1)
+        if ok1 and opts.repeat and state(pid) == "RUNNING":
+            stage("repeats", repeats)
+        if not opts.skip_baseline and state(pid) == "RUNNING" and left() > 120:
+            stage("baseline", baseline)
+        if ok1 and not opts.skip_cycle2 and state(pid) == "RUNNING" and left() > 70:
+            stage("cycle2", cycle2)
+        if ok1 and state(pid) == "RUNNING" and left() > 50:
+            stage("cycle3", cycle3)
+        if ok1 and state(pid) == "RUNNING" and left() > 30:
+            stage("late_probes", late_probes)
+        R["states"]["end"] = state(pid)
+        save()
+    finally:
+        if proc_state(pid) == "T":
+            os.kill(pid, signal.SIGCONT)
+        if child.proc.poll() is None and left() > 10 and state(pid) == "RUNNING":
+            child.ask("exit", 10)
+        child.end()
+
+
+# ------------------------------------------------------------------------------------------------ project checks
+def run_pytest() -> dict[str, Any]:
+    """The real-NVML contract tests. --noconftest: the suite's conftest loads pytest-jupyter (a Jupyter server
+    stack this machine lacks) for other tests; these need only tests/ on the path, which PYTHONPATH gives."""
+    xml = OUT_DIR / "pytest-nvml-real.xml"
+    cmd = [sys.executable, "-m", "pytest", "tests/broker/inventory/test_inventory_contract.py", "-k", "nvml-real",
+           "--noconftest", "-rA", "-q", f"--junitxml={xml}", "-o", "timeout=120"]
+    t = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+        out, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = f"timeout after 200 s\n{e.stdout or ''}", None
+    (OUT_DIR / "pytest.log").write_text(out if isinstance(out, str) else out.decode(errors="replace"))
+    res: dict[str, Any] = {"command": " ".join(cmd[1:]), "rc": rc, "seconds": round(time.perf_counter() - t, 1)}
+    if xml.exists():
+        import xml.etree.ElementTree as ET
+
+        cases = []
+        for tc in ET.parse(xml).getroot().iter("testcase"):
+            outcome, detail = "passed", ""
+            for kind in ("failure", "error", "skipped"):
+                el = tc.find(kind)
+                if el is not None:
+                    outcome, detail = kind, (el.get("message") or "")[:300]
+            cases.append({"test": tc.get("name"), "outcome": outcome, "detail": detail,
+                          "seconds": float(tc.get("time") or 0)})
+        res["cases"] = cases
+        res["summary"] = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+    res["tail"] = out[-1500:] if isinstance(out, str) else ""
+    return res
+
+
+BROKER_CHECK = r"""
+import json, os, subprocess, sys, tempfile, time
+from jupyter_gpulease.client import BrokerClient
+d = tempfile.mkdtemp(prefix="glb")
+sock = os.path.join(d, "b.sock")
+log = open(sys.argv[1], "ab")
+p = subprocess.Popen([sys.executable, "-m", "lease_broker", f"--socket={sock}", f"--db={d}/l.db", "--inventory=nvml",
+                      "--log-level=INFO"], stdout=log, stderr=subprocess.STDOUT, cwd=d)
+res = {}
+try:
+    t = time.monotonic()
+    while not os.path.exists(sock) and p.poll() is None and time.monotonic() - t < 40:
+        time.sleep(0.05)
+    c = BrokerClient("unix://" + sock, timeout=20)
+    for _ in range(100):
+        try:
+            res["info"] = c.info(); break
+        except Exception as e:
+            res["info_error"] = repr(e); time.sleep(0.1)
+    res["start_s"] = round(time.monotonic() - t, 2)
+    g = c.gpus()
+    res["gpus"] = g
+    lease = c.request_lease(1, wait=10)
+    res["lease"] = {"id": lease.id, "state": lease.state, "devices": lease.devices, "env": lease.env,
+                    "simulated": lease.simulated}
+    res["released"] = c.release(lease.id).state
+finally:
+    p.terminate()
+    try:
+        p.wait(15)
+    except Exception:
+        p.kill()
+print("@@" + json.dumps(res, default=str))
+"""
+
+
+def run_broker() -> dict[str, Any]:
+    r = sh([sys.executable, "-c", BROKER_CHECK, str(OUT_DIR / "broker.log")], timeout=90)
+    for line in (r.get("stdout") or "").splitlines():
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ main
+def summary() -> None:
+    c = RESULT.get("checkpoint", {})
+    rows = [("GPU", RESULT.get("nvml", {}).get("name")), ("driver", RESULT.get("nvml", {}).get("driver")),
+            ("pytest nvml-real", RESULT.get("pytest", {}).get("summary")),
+            ("broker on NVML lease", (RESULT.get("broker", {}).get("lease") or {}).get("state"))]
+    for k in ("cycle1", "cycle2", "cycle3"):
+        cy = c.get(k, {})
+        rows.append((k, {x: (cy.get(x) or {}).get("seconds") for x in ("lock", "checkpoint", "restore", "unlock")}
+                     | {"passed": cy.get("passed")}))
+    c1 = c.get("cycle1", {})
+    rows += [("GPU memory freed by checkpoint", c1.get("gpu_memory_freed_bytes")),
+             ("other process allocated", (c1.get("other_process_fill") or {}).get("allocated")),
+             ("baseline", {k: v for k, v in (c.get("baseline") or {}).items() if isinstance(v, dict)}),
+             ("states", c.get("states")), ("errors", len(RESULT["errors"]))]
+    print("\n==== gpu-check summary ====")
+    for k, v in rows:
+        print(f"{k:32s} {json.dumps(v, default=str)}")
+    print(f"JSON: {OUT_DIR / 'gpu_check.json'}")
+
+
+def watchdog() -> None:
+    while left() > 0:
+        time.sleep(1)
+    error("watchdog", f"the run reached its {DEADLINE_S:.0f} s bound; what was measured is kept")
+    for p in _CHILDREN:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        except OSError:
+            pass
+    summary()
+    os._exit(1)
+
+
+def main() -> int:
+    global OUT_DIR, _LOG
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpulease-gpu-check")
+    ap.add_argument("--tensors", type=int, default=int(os.environ.get("GPU_CHECK_TENSORS", 10)),
+                    help="how many tensors the checkpointed child holds (default 10)")
+    ap.add_argument("--tensor-mib", type=int, default=int(os.environ.get("GPU_CHECK_TENSOR_MIB", 1024)),
+                    help="MiB per tensor (default 1024: 10 GiB in all)")
+    ap.add_argument("--skip-tests", action="store_true", help="only the checkpoint experiment")
+    ap.add_argument("--skip-baseline", action="store_true", help="no pickling / host-copy baseline")
+    ap.add_argument("--skip-cycle2", action="store_true", help="no busy-child / stopped-restore cycle")
+    ap.add_argument("--repeat", type=int, default=0, help="plain checkpoint cycles back to back, for their spread")
+    a = ap.parse_args()
+    OUT_DIR = Path(a.out)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    _LOG = open(OUT_DIR / "gpu_check.log", "a")
+    threading.Thread(target=watchdog, daemon=True).start()
+    RESULT["command"] = "python3 scripts/gpu_check.py " + " ".join(sys.argv[1:])
+    why = gpu_present()
+    if why:
+        RESULT["skipped"] = why
+        save()
+        log(f"SKIPPED: {why}; nothing to check here (run it where an NVIDIA GPU is)")
+        return 0
+    log("environment")
+    RESULT["wheels"] = install_wheels()
+    RESULT["environment"] = environment()
+    nvml = Nvml()
+    RESULT["nvml"] = nvml.info()
+    log(f"  {RESULT['environment']}\n  nvml: {RESULT['nvml']}\n  wheels: {RESULT['wheels']}")
+    save()
+    if not a.skip_tests:
+        log("pytest: the real-NVML contract tests")
+        try:
+            RESULT["pytest"] = run_pytest()
+            log(f"  {RESULT['pytest'].get('summary')} rc={RESULT['pytest']['rc']}")
+        except Exception as e:
+            error("pytest", e)
+        save()
+        log("a broker on the NVML inventory: grant and release a lease")
+        try:
+            RESULT["broker"] = run_broker()
+            log(f"  {RESULT['broker']}")
+        except Exception as e:
+            error("broker", e)
+        save()
+    log(f"checkpoint experiment: {a.tensors} x {a.tensor_mib} MiB")
+    ckpt_experiment(nvml, a.tensors, a.tensor_mib, a)
+    save()
+    summary()
+    c = RESULT.get("checkpoint", {})
+    ok = (not RESULT["errors"] and c.get("cycle1", {}).get("passed")
+          and (a.skip_tests or RESULT.get("pytest", {}).get("rc") == 0))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--hog":
+        hog_main(sys.argv[2], int(sys.argv[3]))
+    else:
+        try:
+            sys.exit(main())
+        finally:
+            for p in _CHILDREN:
+                if p.poll() is None:
+                    try:
+                        os.kill(p.pid, signal.SIGCONT)
+                        p.kill()
+                    except OSError:
+                        pass
