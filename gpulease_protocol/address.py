@@ -34,7 +34,7 @@ import os
 import socket
 import struct
 
-from .private import UnsafePathError, _who, trusted_path
+from .private import UnsafePathError, trusted_path, user_text
 
 SYSTEM_SOCKET = "/run/gpulease/broker.sock"
 
@@ -105,7 +105,7 @@ def check_socket(path: str) -> None:
                 owner = None
             if owner is not None and owner not in (0, os.geteuid()):
                 raise UntrustedSocket(f"Refusing the broker socket {path} (nothing was sent): {here} belongs to "
-                                      f"{_who(owner)}, who could answer in your place: {_FIX}") from None
+                                      f"{user_text(owner)}, who could answer in your place: {_FIX}") from None
             if os.path.dirname(here) == here:
                 raise
             here = os.path.dirname(here)
@@ -119,7 +119,7 @@ def check_peer(sock: socket.socket, path: str) -> None:
         return
     pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
     if uid not in (0, os.geteuid()):
-        raise UntrustedSocket(f"Refusing the broker at {path} (nothing was sent): it is served by {_who(uid)} "
+        raise UntrustedSocket(f"Refusing the broker at {path} (nothing was sent): it is served by {user_text(uid)} "
                               f"(pid {pid}), not by you or root, who could answer in your place: {_FIX}")
 
 

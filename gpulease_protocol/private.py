@@ -30,7 +30,8 @@ class UnsafePathError(OSError):
     """A path another user owns, can write or has replaced by a link: refused, with the fix in the message."""
 
 
-def _who(uid: int) -> str:
+def user_text(uid: int) -> str:
+    """A uid as people read it: "alice (uid 1001)"."""
     try:
         import pwd
 
@@ -58,7 +59,7 @@ def private_dir(path: str, mode: int = 0o700) -> str:
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
-            raise UnsafePathError(f"{path} belongs to {_who(st.st_uid)}, not to you: another user made it first. "
+            raise UnsafePathError(f"{path} belongs to {user_text(st.st_uid)}, not to you: another user made it first. "
                                   "Remove it (as root or its owner) or choose another place")
         if stat.S_IMODE(st.st_mode) != mode:
             os.fchmod(fd, mode)  # ours: close it (an older version made it 0755, or the umask did)
@@ -87,7 +88,7 @@ def open_private(path: str, flags: int = os.O_RDONLY) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path} is not a regular file, refused: remove it")
         if st.st_uid != os.geteuid():
-            raise UnsafePathError(f"{path} belongs to {_who(st.st_uid)}, not to you: refused (remove it)")
+            raise UnsafePathError(f"{path} belongs to {user_text(st.st_uid)}, not to you: refused (remove it)")
         if st.st_mode & 0o022:
             raise UnsafePathError(f"{path} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
                                   "refused (chmod go-w it or remove it)")
@@ -117,7 +118,7 @@ def trusted_path(path: str, owners: frozenset[int] | None = None, missing_ok: bo
             trusted_path(target, allowed)  # a link in the path is as trusted as where it leads (and its directory)
             st = os.lstat(target)
         if st.st_uid not in allowed:
-            raise UnsafePathError(f"{current} belongs to {_who(st.st_uid)}, who could answer in your place "
+            raise UnsafePathError(f"{current} belongs to {user_text(st.st_uid)}, who could answer in your place "
                                   f"(needed for {path}): remove it or choose a path you or root own")
         if current != path or stat.S_ISDIR(st.st_mode):
             writable = st.st_mode & 0o022

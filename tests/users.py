@@ -38,25 +38,37 @@ def third_user():
 
 
 
-def as_user(pw, fn):
-    """Run fn in a forked child that switched to another uid (a real second user); return its JSON result."""
+def switch_to(pw):
+    """What a child runs to become ``pw`` (no supplementary groups)."""
 
     def switch() -> None:
         os.setgroups([])
         os.setgid(pw.pw_gid)
         os.setuid(pw.pw_uid)
 
-    return in_child(fn, switch)
+    return switch
+
+
+def as_user(pw, fn):
+    """Run fn in a forked child that switched to another uid (a real second user); return its JSON result."""
+    return in_child(fn, switch_to(pw))
 
 
 def in_child(fn, prepare=lambda: None):
     """Run ``prepare()`` then fn in a forked child (changes to its privileges stay there); return fn's JSON result."""
+    return join_child(*start_child(fn, prepare))
+
+
+def start_child(fn, prepare=lambda: None, close=()):
+    """Start ``prepare()`` then fn in a forked child, which first closes the descriptors ``close`` (those only the
+    parent keeps): (pid, the pipe its JSON result comes on), for ``join_child``."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
         code = 1
         try:
-            os.close(r)
+            for fd in (r, *close):
+                os.close(fd)
             prepare()
             os.write(w, json.dumps(fn()).encode())
             code = 0
@@ -65,6 +77,11 @@ def in_child(fn, prepare=lambda: None):
         finally:
             os._exit(code)
     os.close(w)
+    return pid, r
+
+
+def join_child(pid, r):
+    """The JSON result of a child ``start_child`` started, once it exits (which must be with 0)."""
     data = b""
     while chunk := os.read(r, 65536):
         data += chunk

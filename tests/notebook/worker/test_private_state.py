@@ -15,7 +15,6 @@ import _pickle
 import ctypes
 import errno
 import io
-import json
 import os
 import select
 import shutil
@@ -32,7 +31,7 @@ import cloudpickle  # noqa: F401  (loaded before the children fork: they run as 
 import numpy as np
 import pytest
 from kernels import Kernel
-from users import as_user, second_user, third_user  # noqa: F401  (fixtures)
+from users import as_user, join_child, second_user, start_child, switch_to, third_user  # noqa: F401  (fixtures)
 from waiting import wait_for
 
 from gpulease_protocol.private import UnsafePathError, private_dir
@@ -75,40 +74,6 @@ def victim_shm(second_user) -> Iterator[str]:  # noqa: F811
     shutil.rmtree(path, ignore_errors=True)
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _in_background_as(pw: Any, fn: Callable[[], Any], parents: tuple[int, ...]) -> tuple[int, int]:
-    """Start fn in a forked child that switched to ``pw``'s uid (``parents``: descriptors only the parent keeps):
-    (pid, the pipe its JSON result comes on)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            for fd in (r, *parents):
-                os.close(fd)
-            os.setgroups([])
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        except BaseException as e:
-            os.write(w, json.dumps({"error": repr(e)}).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, r
-
-
-def _join(pid: int, r: int) -> Any:
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    result = json.loads(data)
-    assert os.waitstatus_to_exitcode(status) == 0, result
-    return result
 
 
 def _watch_and_plant(watched: str, victim_uid: int, payload: bytes, ready: int, stop: int) -> Callable[[], Any]:
@@ -208,8 +173,8 @@ def test_an_inotify_race_for_the_parked_manifest_finds_nothing_it_can_write(seco
     payload = _pickle.dumps(_Plant(marker), protocol=2)
     ready_r, ready_w = os.pipe()
     stop_r, stop_w = os.pipe()
-    attacker = _in_background_as(third_user, _watch_and_plant(os.path.dirname(victim_shm), second_user.pw_uid,
-                                                               payload, ready_w, stop_r), (ready_r, stop_w))
+    attacker = start_child(_watch_and_plant(os.path.dirname(victim_shm), second_user.pw_uid, payload, ready_w, stop_r),
+                           switch_to(third_user), close=(ready_r, stop_w))
     os.close(ready_w)
     os.close(stop_r)
     try:
@@ -218,7 +183,7 @@ def test_an_inotify_race_for_the_parked_manifest_finds_nothing_it_can_write(seco
     finally:
         os.close(stop_w)  # the attacker stops watching
         os.close(ready_r)
-        seen = _join(*attacker)
+        seen = join_child(*attacker)
         for planted in seen.get("planted", []):  # (what the old layout let the attacker put there)
             os.unlink(planted)
     assert not os.path.exists(marker), f"the attacker's pickle ran as the victim: {victim} {seen}"
