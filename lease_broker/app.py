@@ -274,6 +274,7 @@ class LeaseBroker(Application):
         lock.acquire()
         gc.disable()
         try:
+            self.policy.unix_user_of = self.namespaces().unix_name
             store = Store(self.db_path)
             manager = LeaseManager(store, self.inventory, self.policy)
             for user, groups in manager.admin_store.learned_groups().items():  # JupyterHub's, known before calls

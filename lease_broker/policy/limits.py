@@ -9,6 +9,7 @@ all members of a group hold together.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from traitlets import All, Bool, Dict, List, Unicode, observe, validate
@@ -119,9 +120,10 @@ class LimitsPolicy(Configurable):
     unix_groups = Bool(
         True,
         config=True,
-        help="Whether a user's Unix groups (the host's group database) count as their groups for group_limits, "
-        "group_quotas and reservations. Example: False (only group_members and JupyterHub groups; advisable with "
-        "LeaseBroker.identity='hub', where names are Hub names, not this host's users).",
+        help="Whether a Unix user's groups (the host's group database) count as their groups for group_limits, "
+        "group_quotas and reservations. A JupyterHub user has no Unix groups (a Hub name is not this host's user) "
+        "unless LeaseBroker.hub_users_are_unix_users maps them. Example: False (only group_members and JupyterHub "
+        "groups).",
     )
     preempt_grace_seconds = Dict(
         value_trait=Float(),
@@ -194,6 +196,10 @@ class LimitsPolicy(Configurable):
             answers = self.__dict__["_answer_memo"] = {}
         return answers
 
+    #: The Unix user an owner name stands for, or None (``core.identity.Namespaces.unix_name``: a Hub user is not the
+    #: Unix user of the same name unless an admin mapped them); set by the wiring from the identity mode.
+    unix_user_of: Callable[[str], str | None] = staticmethod(lambda owner: owner)
+
     def learn_groups(self, user: str, groups: tuple[str, ...]) -> bool:
         """The groups an identity provider (JupyterHub) reports for ``user`` now: they count beside Unix groups and
         ``group_members`` from the user's next request on. Returns whether they changed (the caller stores them,
@@ -211,8 +217,9 @@ class LimitsPolicy(Configurable):
         if found is None:
             configured = [g for g, members in self.group_members.items() if user in members]
             configured.extend(self.__dict__.get("_learned_groups", {}).get(user, ()))
-            if self.unix_groups:
-                configured.extend(unix_groups(user))
+            unix_user = self.unix_user_of(user)  # a Hub user has no Unix groups unless mapped onto a Unix user
+            if self.unix_groups and unix_user:
+                configured.extend(unix_groups(unix_user))
             found = answers[("", user)] = tuple(sorted(set(configured)))
         return found
 

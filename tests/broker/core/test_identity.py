@@ -34,3 +34,17 @@ def test_admin_lists_hold_one_kind_of_name() -> None:
     assert admins("hub:dave", -1, ("gpu-admins",)) and not admins("hub:dave", -1, ("ml-team",))
     mapped = Admins(Namespaces.of("unix+hub", True), users=["ann"])
     assert mapped("ann", -1, ())  # one person when an admin says so
+
+
+@pytest.mark.attack
+def test_a_hub_user_gets_no_unix_groups_of_the_unix_user_of_the_same_name() -> None:
+    """Group limits, quotas and reservations by Unix group: a Hub user named 'root' is not in root's Unix groups
+    (unless an admin mapped Hub users onto Unix users)."""
+    from lease_broker.policy.lease_policy import LeasePolicy
+
+    for mode, mapped, owner, has_root_group in (("unix", False, "root", True), ("hub", False, "root", False),
+                                                ("unix+hub", False, "hub:root", False),
+                                                ("unix+hub", True, "root", True)):
+        policy = LeasePolicy()
+        policy.unix_user_of = Namespaces.of(mode, mapped).unix_name
+        assert ("root" in policy.groups_of(owner)) is has_root_group, (mode, mapped, owner)
