@@ -116,15 +116,27 @@ def gpus_value(value: Any) -> int | float | str:
 
 
 def request_fields(gpus: Any = 1, *, mem: Any = None, time: Any = None, idle: Any = None, gpu_type: Any = None,
-                   gpu_mem: Any = None, flag: str = "") -> dict[str, Any]:
+                   gpu_mem: Any = None, flag: str = "", ends_with_caller: bool = False,
+                   grow: bool = False) -> dict[str, Any]:
     """The request body's fields for what a user gave (``%%gpu 2 --time 30m --gpu-type H100``,
     ``lease(2, time="30m", gpu_type="H100")``).
 
     ``None`` leaves a field out (the broker's policy decides). A ``mem`` of 0 is refused: the body's 0 means
     "none asked", so a user who typed it meant something else. ``flag`` prefixes the option names in error
     messages (``"--"`` for a command line).
+
+    ``ends_with_caller``: the lease ends as soon as the process that asks for it exits (a kernel's leases: the
+    broker watches the caller's pid, seen through the socket, never one the body names); left out (false), the
+    lease lasts until it is released or its heartbeats stop (the CLI, the sidebar). ``grow``: a range (``1-4``)
+    grows toward its maximum while held, for code that takes added GPUs (the Python API's ``lease`` and
+    ``map``); left out (false), it gets what is free up to its maximum at its grant and keeps that (a cell's
+    process sees only the GPUs it started with).
     """
     fields: dict[str, Any] = {"gpus": gpus_value(gpus)}
+    if ends_with_caller:
+        fields["ends_with_caller"] = True
+    if grow:
+        fields["grow"] = True
     if mem is not None:
         fields["mem"] = parse_size(mem, f"{flag}mem")
         if not fields["mem"]:  # in a request body 0 means "no memory asked"; given by a user, it is a mistake

@@ -194,13 +194,16 @@ def queue_table(queue: list[dict[str, Any]]) -> str:
 
 
 def leases_table(leases: list[LeaseView]) -> str:
+    """One row a lease; HOLDER is the broker's words for who holds it ('process 1234', 'process 1234 is gone',
+    'no heartbeat for 45 s …'), so that a lease whose holder went shows as such until it ends."""
     now = time.time()
     rows = []
     for lease in leases:
         left = fmt_duration(lease.expires_at - now) if lease.expires_at and not lease.ended_at else "-"
         devs = ",".join(f"{d['node']}:{d['index']}" for d in lease.devices) or "-"
-        rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, lease.reason])
-    return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "REASON"], rows)
+        holder = (lease.get("holder") or {}).get("text") or "-"
+        rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, holder, lease.reason])
+    return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "HOLDER", "REASON"], rows)
 
 
 def fmt_clock(t: float, now: float) -> str:

@@ -145,6 +145,7 @@ class BrokerService:
         for t in self._timers:
             t.start()
         self.server.start_sweeping()
+        ioloop.IOLoop.current().add_callback(self.manager.holders.tick)  # the restored holders, watched from the start
         if self.notifier is not None:
             ioloop.IOLoop.current().add_callback(self.notifier.start)  # its tasks run in the loop
 

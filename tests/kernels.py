@@ -49,11 +49,17 @@ class Reply:
 class Kernel:
     """A started kernel: ``run(code)`` executes and collects every output of that cell."""
 
-    def __init__(self, broker_url: str, artifact_root: str, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, broker_url: str, artifact_root: str, extra_env: dict[str, str] | None = None,
+                 log: str | None = None) -> None:
+        """``log``: a file the kernel's own stderr (its log) goes to; None: this process's stderr."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")}
         env.update({"GPULEASE_BROKER": broker_url, "GPULEASE_ARTIFACT_ROOT": artifact_root, **(extra_env or {})})
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=env)
+        if log is not None:
+            with open(log, "ab") as f:  # the kernel keeps its own descriptor
+                self.km.start_kernel(env=env, stderr=f)
+        else:
+            self.km.start_kernel(env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)

@@ -24,13 +24,16 @@ def free_port() -> int:
 
 
 class LabServer:
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None, stdin: int | None = None) -> None:
+        """``stdin``: the server's standard input (a terminal's, to stop it with Ctrl-C as in one); None: this
+        process's."""
         self.workdir = Path(workdir)
         self.root_dir = self.workdir / "root"
         self.port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = env or {}
+        self.stdin = stdin
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / "jupyter-lab.log"
 
@@ -48,8 +51,8 @@ class LabServer:
         ]
         env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.workdir / "runtime"), **self.env}
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root_dir,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdin=self.stdin, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=self.root_dir, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -99,3 +99,19 @@ def test_quick_replay_scale_benchmark_has_both_modes_and_every_figure(tmp_path: 
         assert expected in names
     assert all(f["n"] == 1 and f["baseline"]["n"] == 1 for f in figures)
     assert "<!-- bench:replay_scale -->" in out.read_text()
+
+
+def test_quick_holders_benchmark_measures_every_way_a_kernel_ends(tmp_path: Path) -> None:
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "holders", "--output", str(out), "--json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = {f["name"]: f for f in json.loads(data.read_text())["modules"]["holders"]["figures"]}
+    ends = [f for name, f in figures.items() if name.startswith(("Ctrl-C", "kernel restarted", "kill -9", "kernel exits"))]
+    assert len(ends) == 4, list(figures)
+    for f in ends:  # each kernel's leases ended by the broker (no figure without its tries), against the heartbeat
+        assert f["n"] >= 1 and f["baseline"]["n"] >= 1 and f["bar"], f["name"]
+    assert figures["false revocations (holder_gone) of this run's kernels"]["max"] == 0
+    assert "<!-- bench:holders -->" in out.read_text()

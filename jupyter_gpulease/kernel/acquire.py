@@ -3,7 +3,8 @@
 ``acquire`` asks the broker and, while queued, shows the position, the time waited
 and the broker's estimate (a widget in a notebook, a text line in a terminal);
 an interrupt cancels the request. ``Heartbeater`` keeps every lease this process
-holds alive with one thread, telling the broker which ones are running a cell.
+holds alive with one thread, telling the broker which ones are running a cell. ``HOLDINGS`` knows every lease
+this process holds or waits for, so that a clean kernel shutdown gives them back itself.
 """
 
 from __future__ import annotations
@@ -114,6 +115,54 @@ class HeldReleases:
 
 
 HELD = HeldReleases()
+
+
+class Holdings:
+    """Every lease this process holds or waits for, whatever holds it (a cell, a ``--bg`` cell, a session, the
+    Python API): what a clean kernel shutdown gives back itself (``GpuMagics.shutdown``) before the kernel exits.
+    (A kernel that dies without its shutdown is the broker's to notice: it watches the process that asked.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: dict[str, tuple[BrokerClient, str]] = {}  # lease id -> (its client, what holds it)
+
+    def add(self, client: BrokerClient, lease_id: str, what: str) -> None:
+        with self._lock:
+            self._leases[lease_id] = (client, what)
+
+    def discard(self, lease_id: str) -> None:
+        with self._lock:
+            self._leases.pop(lease_id, None)
+
+    def held(self) -> dict[str, str]:
+        """lease id -> what holds it (``--bg job1``, ``--session m``, ``Python API``, a cell's name)."""
+        with self._lock:
+            return {lease_id: what for lease_id, (_, what) in self._leases.items()}
+
+    def release_all(self, reason: str) -> None:
+        """Release (or withdraw, if queued) every lease still held."""
+        with self._lock:
+            leases, self._leases = self._leases, {}
+        for lease_id, (client, _) in leases.items():
+            release_quietly(client, lease_id, reason)
+
+
+HOLDINGS = Holdings()
+
+
+def holder_text(request: dict[str, Any]) -> str:
+    """What holds a lease, from its request's labels, for the kernel's log: ``--bg job1``, ``--session m``, a
+    cell, or the Python API."""
+    labels = request.get("labels") or {}
+    if labels.get("bg"):
+        return f"--bg {labels['bg']}"
+    if labels.get("session"):
+        return f"--session {labels['session']}"
+    if labels.get("source") == "api":
+        return "Python API"
+    return str(labels.get("cell") or labels.get("source") or "cell")
+
+
 #: seconds of the first poll of a request that queued while this kernel held a release back (no wait display yet)
 HURRIED_POLL = 0.2
 
@@ -128,6 +177,7 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
     except KeyboardInterrupt:
         raise _interrupted()(f"{label.split()[0]}: interrupted before the broker answered the request (`%gpu leases` "
                              "shows whether it was queued)") from None
+    HOLDINGS.add(client, lease.id, holder_text(request))
     if lease.state == "granted":
         return lease
     start = time.monotonic()
@@ -166,6 +216,7 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
             display.close(f"{label}: granted after {fmt_duration(time.monotonic() - start)}" if granted else "")
         if not granted:
             release_quietly(client, lease.id, "cancelled")
+            HOLDINGS.discard(lease.id)
 
 
 def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released") -> LeaseView | None:

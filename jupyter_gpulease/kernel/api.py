@@ -48,8 +48,10 @@ def _heartbeater(client: BrokerClient) -> Heartbeater:
 
 def _request(gpus: Any, time_limit: str | float | None, idle: str | float | None, mem: str | int | None,
              priority: str | None, labels: dict[str, str] | None, gpu_type: str | None = None,
-             gpu_mem: str | int | None = None) -> dict[str, Any]:
-    req = request_fields(gpus, mem=mem, time=time_limit, idle=idle, gpu_type=gpu_type, gpu_mem=gpu_mem)
+             gpu_mem: str | int | None = None, grow: bool = False) -> dict[str, Any]:
+    # a lease of this process ends with it (a kernel's: shut down, restarted or killed)
+    req = request_fields(gpus, mem=mem, time=time_limit, idle=idle, gpu_type=gpu_type, gpu_mem=gpu_mem,
+                         ends_with_caller=True, grow=grow)
     req.update(heartbeat=True, labels=labels or {"source": "api"})
     if priority:
         req["priority"] = priority
@@ -112,11 +114,13 @@ class Lease:
 def lease(gpus: int | str | float = 1, *, time: str | float | None = None, idle: str | float | None = None,
           mem: str | int | None = None, priority: str | None = None, wait: str | float | None = None,
           broker: str | None = None, artifact_root: str | None = None, gpu_type: str | None = None,
-          gpu_mem: str | int | None = None) -> Iterator[Lease]:
-    """Hold a lease for a block; released when the block ends, however it ends. ``gpu_type`` ('H100',
-    '1g.10gb') and ``gpu_mem`` ('40G') narrow the GPUs it may get."""
+          gpu_mem: str | int | None = None, grow: bool = True) -> Iterator[Lease]:
+    """Hold a lease for a block; released when the block ends, however it ends (the process's end too).
+    ``gpu_type`` ('H100', '1g.10gb') and ``gpu_mem`` ('40G') narrow the GPUs it may get. ``grow``: a range
+    ('1-4') grows toward its maximum as GPUs free up (``refresh`` and each ``run`` see them); False: what was
+    free at the grant, kept."""
     client = BrokerClient(broker)
-    req = _request(gpus, time, idle, mem, priority, None, gpu_type, gpu_mem)
+    req = _request(gpus, time, idle, mem, priority, None, gpu_type, gpu_mem, grow)
     t0 = _now()
     granted = acquire(client, req, parse_duration(wait, "wait") if wait is not None else None, f"lease({gpus})")
     run = LeaseRun(client, _heartbeater(client), granted, artifact_root or _artifacts.default_root(), _now() - t0)
@@ -128,7 +132,10 @@ def lease(gpus: int | str | float = 1, *, time: str | float | None = None, idle:
 
 
 def on_gpu(gpus: int | str | float = 1, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: each call leases ``gpus``, runs the function in a worker on them, and releases."""
+    """Decorator: each call leases ``gpus``, runs the function in a worker on them, and releases. A range
+    ('1-4') gets what is free up to its maximum and keeps it: the call's worker sees only the GPUs it started
+    with."""
+    options.setdefault("grow", False)
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -171,7 +178,7 @@ def map(fn: Callable[[Any], Any], params: Iterable[Any], gpus_per_call: int = 1,
         except BaseException as e:  # collected and raised once every call has finished
             errors[i] = e
 
-    with lease(str(per) if most == per else f"{per}-{most}", **options) as held:
+    with lease(str(per) if most == per else f"{per}-{most}", **{**options, "grow": True}) as held:
         pool = ThreadPoolExecutor(max_workers=most // per, thread_name_prefix="gpulease-map")
         todo = list(range(len(items)))[::-1]
         busy: dict[int, Future[None]] = {}  # slot (a group of ``per`` GPUs of the lease) -> its call

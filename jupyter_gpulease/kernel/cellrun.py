@@ -24,7 +24,7 @@ from ..client import BrokerClient, BrokerError, LeaseView
 from ..executors.base import Sink, Worker, WorkerCrashed
 from ..worker import transfer, vmcopy
 from ..worker.later import later
-from .acquire import HELD, Heartbeater, release_quietly
+from .acquire import HELD, HOLDINGS, Heartbeater, release_quietly
 from .drive import Sinks, drive
 
 # Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
@@ -341,6 +341,7 @@ class LeaseRun:
             status, self.status = self.status, "ended"
         self.heartbeater.remove(self.lease.id)
         final = release_quietly(self.client, self.lease.id, reason) or self._view()
+        HOLDINGS.discard(self.lease.id)
         meta = {
             "lease_id": self.lease.id,
             "user": self.lease.user,

@@ -27,7 +27,7 @@ from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
 from ..worker import reserve
 from ..worker.later import later
-from .acquire import Heartbeater, LeaseUnavailable, acquire
+from .acquire import HOLDINGS, Heartbeater, LeaseUnavailable, acquire
 from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
@@ -231,8 +231,10 @@ class GpuMagics(Magics):
 
     def _options(self, args: Any) -> dict[str, Any]:
         try:
+            # the kernel's leases end with it; a range is what is free at the grant, kept: a cell's worker sees
+            # only the GPUs it started with
             request = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, gpu_type=args.gpu_type,
-                                     gpu_mem=args.gpu_mem, flag="--")
+                                     gpu_mem=args.gpu_mem, flag="--", ends_with_caller=True)
             request["heartbeat"] = True
             if args.priority:
                 request["priority"] = args.priority
@@ -356,7 +358,18 @@ class GpuMagics(Magics):
             reserve.RESULTS.prepare(REFILL_DELAY)
 
     def shutdown(self) -> None:
-        self.sessions.stop_all()
+        """At the kernel's clean exit (atexit) or the extension's unload: give back every lease this kernel holds
+        (sessions, ``--bg`` cells, the Python API's) before it exits, and say so in the kernel's log. (A kernel that
+        dies without this, killed or restarted, is the broker's to notice: its leases end with its process.)"""
+        held = HOLDINGS.held()
+        self.sessions.stop_all(SHUTDOWN_REASON)  # their workers first: nothing to park at an exit
+        HOLDINGS.release_all(SHUTDOWN_REASON)
+        if held:
+            n = len(held)
+            log = sys.__stderr__ or sys.stderr  # the kernel's own stderr (its log), not a cell's
+            log.write(f"gpulease: released {n} lease{'s' if n != 1 else ''} at kernel shutdown: "
+                      + ", ".join(f"{lease_id} ({what})" for lease_id, what in held.items()) + "\n")
+            log.flush()
         reserve.RESULTS.drop()
         for executor in self.executors.values():
             executor.shutdown()
@@ -381,6 +394,9 @@ def _names(text: str) -> list[str]:
 
 
 GpuMagics.gpu.__doc__ = (GpuMagics.gpu.__doc__ or "") + LINE_COMMANDS
+
+#: the reason of the leases a kernel gives back at its clean exit (``GpuMagics.shutdown``)
+SHUTDOWN_REASON = "kernel_shutdown"
 
 #: seconds after a cell before its warm worker is replaced (the kernel answers the cell meanwhile)
 REFILL_DELAY = 0.05

@@ -204,9 +204,10 @@ class Sessions:
         if s is not None:
             s.stop("session_gone")
 
-    def stop_all(self) -> None:
+    def stop_all(self, reason: str = "session_gone") -> None:
         for name in list(self.by_name):
-            self.discard(name)
+            s = self.by_name.pop(name)
+            s.stop(reason)
 
     def park(self, name: str) -> Session:
         s = self.by_name.get(name)

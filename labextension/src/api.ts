@@ -122,6 +122,17 @@ export interface ILease {
   labels: Record<string, string>;
   /** What it used (from the broker's samples; null before it was granted). */
   usage?: ILeaseUsage | null;
+  /** Who holds it, in the broker's words: its holder process (a kernel), or its heartbeats. */
+  holder?: ILeaseHolder | null;
+}
+
+/** A lease's holder: the kernel process it ends with (pid), or none (heartbeats); `alive` false while a holder that
+ * is gone (or silent) still holds it, until the broker ends it; `text` says so in words. */
+export interface ILeaseHolder {
+  pid: number | null;
+  watched: boolean;
+  alive: boolean;
+  text: string;
 }
 
 /** A lease's usage figures: bytes and percent; null where not measured. */

@@ -151,6 +151,9 @@ export class GpuLeasePanel extends Widget {
     if (l.state === 'queued' && l.position) {
       parts.push([`position ${l.position}`]);
     }
+    if (admin && l.holder && !l.holder.alive && l.holder.text) {
+      parts.push([h('span', { class: 'jp-GpuLease-holderGone', title: 'Its holder is gone: the broker ends it' }, l.holder.text)]);
+    }
     const button = (cls: string, label: string, key: string, text: string, fn: () => Promise<void>) =>
       h('button', { class: `jp-Button jp-mod-styled ${cls}`, 'aria-label': label, 'data-focus-key': `${key}:${l.id}`, onclick: () => void fn() }, text);
     const own = m.isMine(l) || !admin;

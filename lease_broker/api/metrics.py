@@ -42,6 +42,13 @@ class BrokerCollector(Collector):
         for (a, b), n in sorted(m.transitions_total.items()):
             trans.add_metric([a, b], n)
         yield trans
+        holder_ended = CounterMetricFamily(
+            "gpulease_leases_holder_ended", "Leases ended because their holder went, by cause (exited: its process "
+            "exited, reason holder_exited; heartbeat: no heartbeat for heartbeat_timeout, reason holder_gone)",
+            labels=["cause"])
+        for cause, n in sorted(m.holders.ended_total.items()):
+            holder_ended.add_metric([cause], n)
+        yield holder_ended
         per_user = GaugeMetricFamily("gpulease_user_gpus", "GPUs held per user", labels=["user"])
         for user, count in sorted(m.state.held_by_user().items()):
             per_user.add_metric([user], count)

@@ -49,7 +49,7 @@ class GpuTable:
         self.queued: dict[str, Lease] = {}
         self.holding_by_user: dict[str, dict[str, Lease]] = {}
         self.held_by_user: dict[str, float] = {}
-        self.growable: dict[str, Lease] = {}  # holding incremental leases below their max_gpus
+        self.growable: dict[str, Lease] = {}  # holding incremental leases below their max_gpus that asked to grow
         self.busy: dict[str, str] = {}  # GPU -> "leased" or "shared" (held by at least one lease)
         self.n_busy = {"leased": 0, "shared": 0}
         self._held: dict[str, _Held] = {}
@@ -159,7 +159,8 @@ class GpuTable:
         self.holding_by_user.setdefault(user, {})[lid] = lease
         self.held_by_user[user] = self.held_by_user.get(user, 0.0) + gpus
         self.running.add(user, gpus, lease.granted_at)
-        if devices and len(devices) < lease.request.max_gpus and not lease.request.shared:
+        req = lease.request
+        if req.grow and devices and len(devices) < req.max_gpus and not req.shared:
             self.growable[lid] = lease
         return list(mine)
 

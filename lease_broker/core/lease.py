@@ -96,6 +96,8 @@ class LeaseRequest:
     heartbeat: bool = True  # False: no holder heartbeats (CLI leases); time limit and idleness still apply
     gpu_type: str = ""  # "": any; else a model, configured type or MIG profile (core.gpufit)
     gpu_mem: int = 0  # > 0: each device has at least this many bytes of memory
+    ends_with_caller: bool = False  # the calling process is the lease's holder: it ends when that process exits
+    grow: bool = False  # a range (1-4) grows while it holds (code that takes added GPUs); else it keeps its grant
 
     @property
     def shared(self) -> bool:
@@ -161,11 +163,12 @@ def parse_request(data: Any) -> LeaseRequest:
     priority = data.get("priority", "normal")
     if not isinstance(priority, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", priority):
         raise BadRequest(f"Invalid priority {priority!r}")
-    heartbeat = data.get("heartbeat", True)
-    if not isinstance(heartbeat, bool):
-        raise BadRequest(f"Invalid heartbeat {heartbeat!r}: must be true or false")
+    heartbeat, ends_with_caller, grow = (_bool(data, name, default) for name, default in (
+        ("heartbeat", True), ("ends_with_caller", False), ("grow", False)))
     return LeaseRequest(
         heartbeat=heartbeat,
+        ends_with_caller=ends_with_caller,
+        grow=grow,
         gpu_type=_parse_gpu_type(data.get("gpu_type", "")),
         gpu_mem=parse_size(data.get("gpu_mem", 0), "gpu_mem"),
         min_gpus=lo,
@@ -178,6 +181,13 @@ def parse_request(data: Any) -> LeaseRequest:
         locality=locality,
         labels=clean,
     )
+
+
+def _bool(data: dict[str, Any], name: str, default: bool) -> bool:
+    value = data.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"Invalid {name} {value!r}: must be true or false")
+    return value
 
 
 def _int(value: Any, what: str) -> int:
@@ -210,6 +220,7 @@ class Lease:
     pids: list[int] = dataclasses.field(default_factory=list)
     secret_hash: str = ""
     use: LeaseUse = NO_USE  # what it used (from the inventory's samples while it held GPUs)
+    holder: tuple[int, int] | None = None  # (pid, start ticks) of the process it ends with (ends_with_caller)
 
     @property
     def gpu_count(self) -> float:
@@ -228,7 +239,8 @@ class Change:
     applies every change through one path (``LeaseManager.commit``); ``None`` leaves a field as it is.
 
     ``event`` names the published change when the state stays (``renewed``, ``grown``, ``placed``, ``retimed``); a
-    change of state publishes the new state. ``attach`` adds a process (pid, start ticks) to the lease. ``shift``
+    change of state publishes the new state. ``holder`` (pid, start ticks) is the process the lease ends with (set
+    with its request, ``ends_with_caller``). ``attach`` adds a process (pid, start ticks) to the lease. ``shift``
     moves every time of the lease (``TIMES``) by that many seconds: the wall clock stepped (``LeaseManager.retime``),
     and the lease keeps its remaining time.
     """
@@ -243,6 +255,7 @@ class Change:
     last_activity: float | None = None
     last_heartbeat: float | None = None
     use: LeaseUse | None = None
+    holder: tuple[int, int] | None = None
     attach: tuple[int, int] | None = None
     shift: float = 0.0
     event: str = ""
@@ -287,11 +300,13 @@ def reason_slug(reason: str, default: str) -> str:
 
 
 def describe_request(req: LeaseRequest) -> str:
-    """'2', '1-4', '0.25 (shared)' or '0.5 mem=…', with ' type=H100 gpu_mem=…' when asked, for logs."""
+    """'2', '1-4', '1-4 growing', '0.25 (shared)' or '0.5 mem=…', with ' type=H100 gpu_mem=…' when asked, for
+    logs."""
     if req.shared:
         text = f"{req.fraction:g} (shared)" if not req.mem_bytes else f"{req.fraction:g} mem={req.mem_bytes}"
     else:
-        text = str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}"
+        text = str(req.min_gpus) if req.min_gpus == req.max_gpus else f"{req.min_gpus}-{req.max_gpus}" + (
+            " growing" if req.grow else "")
     return text + (f" type={req.gpu_type}" if req.gpu_type else "") + (f" gpu_mem={req.gpu_mem}" if req.gpu_mem else "")
 
 

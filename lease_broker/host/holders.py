@@ -74,6 +74,10 @@ class HolderWatch:
                 loop.remove_reader(fd)
             os.close(fd)
 
+    def watching(self, holder: Holder) -> bool:
+        """Whether ``holder`` is watched now (its exit will be reported)."""
+        return holder in self._fds
+
     def watched(self) -> list[Holder]:
         return list(self._fds)
 

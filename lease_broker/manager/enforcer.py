@@ -50,11 +50,17 @@ class DrainStore(Protocol):
     def detach_all(self, lease_id: str) -> None: ...
 
 
+class HolderCheck(Protocol):
+    """Whether a lease's holder process is watched (``Holders``): then its exit ends the lease, not a heartbeat."""
+
+    def watched(self, lease: Lease) -> bool: ...
+
+
 class Enforcer:
     def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, probe: Probe, store: DrainStore,
-                 events: EventBus, clock: Clock) -> None:
+                 events: EventBus, clock: Clock, holders: HolderCheck | None = None) -> None:
         self.state, self.ops, self.policy, self.probe, self.store = state, ops, policy, probe, store
-        self.events, self.clock = events, clock
+        self.events, self.clock, self.holders = events, clock, holders
         self.proc_ticks: dict[str, dict[int, int]] = {}  # lease id -> pid -> start ticks
         self.draining: dict[str, tuple[str, float, list[int]]] = {}  # gpu -> (lease, since, pids)
         self.unhealthy: dict[str, str] = {}  # gpu -> why
@@ -172,7 +178,9 @@ class Enforcer:
             if lease.expires_at is not None and now >= lease.expires_at:
                 ops.end(lease, LeaseState.EXPIRED, "expired")
                 continue
-            if pol.heartbeat_timeout and lease.request.heartbeat and now - lease.last_heartbeat > pol.heartbeat_timeout:
+            if self.heartbeat_lost(lease, now):
+                log.info("Lease %s of %s ends (holder_gone): no heartbeat for %.0f s (heartbeat_timeout %g s)",
+                         lease.id, lease.user, now - lease.last_heartbeat, pol.heartbeat_timeout)
                 ops.end(lease, LeaseState.REVOKED, "holder_gone")
                 continue
             pids = list(self.proc_ticks.get(lease.id, {}))
@@ -197,6 +205,13 @@ class Enforcer:
             ):
                 warned.add("expiry")
                 self._warn(lease, "expiry", lease.expires_at)
+
+    def heartbeat_lost(self, lease: Lease, now: float) -> bool:
+        """No heartbeat from the lease's holder for ``heartbeat_timeout``; a holder process the broker watches is
+        exempt (its exit ends the lease at once, and a busy kernel that beats late loses nothing)."""
+        timeout = self.policy.heartbeat_timeout
+        return bool(timeout and lease.request.heartbeat and now - lease.last_heartbeat > timeout
+                    and not (self.holders is not None and self.holders.watched(lease)))
 
     def warn_after(self, timeout: float) -> float:
         """Seconds without activity after which a lease with this idle timeout is warned: ``warn_before_seconds``

@@ -41,6 +41,7 @@ from .engine import EngineLink
 from .estimates import Estimates
 from .events import EventBus
 from .gpu_summary import GpuSummary
+from .holders import Holders
 from .iteration import Iteration
 from .metering import Metering
 from .planning import Planning
@@ -68,7 +69,8 @@ class LeaseManager:
         self.admin_store = AdminStore(store)
         now = self.clock.now()
         # the parts, each given what it reads and the narrow LeaseOps (this object) for what it may ask
-        self.enforcer = Enforcer(self.state, self, policy, inventory, store, self.events, self.clock)
+        self.holders = Holders(self.state, self)  # a lease ends with the process that asked for it
+        self.enforcer = Enforcer(self.state, self, policy, inventory, store, self.events, self.clock, self.holders)
         self.reservations = Reservations(self.state, self, policy, self.admin_store, self.events, self.enforcer, now)
         self.preemption = Preemption(self.state, self, policy, self.admin_store, self.events, self.enforcer,
                                      self.reservations)
@@ -79,7 +81,7 @@ class LeaseManager:
         self.estimates = Estimates(self.state, policy, self.enforcer)  # queued requests' likely starts
         self.warm = WarmRegrants(policy)  # a notebook's next request gets the GPUs its last lease gave back
         self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption,
-                           self.estimates)
+                           self.estimates, self.holders)
         self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
         self.metering = Metering(self.state, self)  # what each lease used, from the samples
         self.transitions_total: dict[tuple[str, str], int] = {}
@@ -130,13 +132,18 @@ class LeaseManager:
         self.quotas.check_placeable(req, who.user)
         now = self.clock.now()
         lease_id, secret = new_lease_keys()
+        # the calling process (SO_PEERCRED, never a pid the client names) when it asks to be the holder
+        holder = self.holders.holder_of(who.pid) if req.ends_with_caller else None
         lease = Lease(id=lease_id, user=who.user, uid=who.uid, request=req,
                       state=LeaseState.QUEUED, created_at=now, seq=self._seq, reason="requested",
                       duration_seconds=duration, idle_timeout_seconds=idle, last_heartbeat=now, last_activity=now,
                       secret_hash=hash_secret(secret))
         self._seq += 1
-        self.commit(lease, Change(state=LeaseState.QUEUED))
-        log.info("Lease %s requested by %s: gpus=%s", lease.id, who.user, describe_request(req))
+        self.commit(lease, Change(state=LeaseState.QUEUED, holder=holder))
+        if holder is not None:
+            self.group.after(lambda: self.holders.track(lease))  # once stored: its end would find it
+        log.info("Lease %s requested by %s: gpus=%s%s", lease.id, who.user, describe_request(req),
+                 f", holder process {holder[0]}" if holder is not None else "")
         self.planning.arrived.append(lease.id)
         self.schedule_soon()  # one pass for every request of this loop iteration: the answer waits for it
         return lease, secret
@@ -295,6 +302,7 @@ class LeaseManager:
             self.enforcer.stop(lease)
             self.warm.ended(lease)  # its notebook's next request may get these GPUs again
         self.estimates.ended(lease)  # how long it held its GPUs: the history of the start estimates
+        self.holders.ended(lease)  # its holder's watch closes with the holder's last lease
         self.inventory.on_end(lease)
         if held:
             self.schedule_soon()
@@ -372,6 +380,7 @@ class LeaseManager:
         step = self.clock.resync()  # deadlines run on the monotonic clock; a wall-clock step moves them all
         if step:
             self.retime(step)
+        self.holders.tick()  # holders restored before the loop ran are watched from now on
         self.engine.reconcile()
         self.enforcer.tick(self.clock.now())
         self.schedule()
@@ -402,7 +411,7 @@ class LeaseManager:
             self.state.leases[lease.id] = lease
             self.enforcer.remember(lease.id, alive)
         self.state.table.rebuild(self.leases.values())
-        counts = {"queued": 0, "holding": 0, "failed": 0}
+        counts = {"queued": 0, "holding": 0, "failed": 0, "holder_exited": 0}
         for lease, _ in live:
             if lease.state not in HOLDING:
                 self._enqueue(lease, 0.0)  # scored by the full pass below
@@ -412,6 +421,9 @@ class LeaseManager:
                 counts["failed"] += 1
             else:
                 counts["holding"] += 1
+        for lease in self.holders.restored([lease for lease, _ in live if not lease.state.terminal]):
+            counts["holder_exited"] += 1  # its holder exited while the broker was down (or its pid is another's)
+            counts["queued" if lease.state == LeaseState.CANCELLED else "holding"] -= 1
         self.enforcer.restore_drains(self.store.drains())
         for lease, gpu, other in double_grants(list(self.state.holding())):
             log.error("GPU %s is held by leases %s and %s: revoking the later one", gpu, other, lease.id)

@@ -78,7 +78,9 @@ class Planning:
         return {u: usage.get(u, 0.0) / weights(u) for u in users}
 
     def growable(self, now: float) -> list[Lease]:
-        """Holding incremental leases below their max_gpus (placed by the broker itself, not by an engine)."""
+        """Holding incremental leases below their max_gpus whose request says ``grow`` (code that takes added GPUs:
+        the incremental API, ``map``; a plain cell keeps what it got at its grant), placed by the broker itself, not
+        by an engine."""
         return [lease for lease in self.state.table.growable.values()
                 if (lease.expires_at or 0.0) > now and self.placements.placement(lease) is None]
 

@@ -17,6 +17,7 @@ from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
 from .enforcer import Enforcer
 from .estimates import Estimates
+from .holders import Holders
 from .preemption import Preemption
 from .reservations import Reservations
 from .state import LiveState
@@ -24,6 +25,31 @@ from .state import LiveState
 
 def may_see(lease: Lease, who: Identity) -> bool:
     return who.admin or lease.user == who.user
+
+
+#: A holder without a watched process is *silent* after this many seconds without a heartbeat: two of the 10 s
+#: beats a kernel sends (``jupyter_gpulease.kernel.acquire.Heartbeater``) missed. The broker knows only its
+#: ``heartbeat_timeout``, so a shorter timeout bounds it.
+SILENT_AFTER = 20.0
+
+
+def holder_view(lease: Lease, watched: bool, alive: bool, now: float, heartbeat_timeout: float) -> dict[str, Any]:
+    """Who holds the lease, in words: its holder process (``ends_with_caller``), whether the broker watches it and
+    whether it runs; for a lease without one, whether its heartbeats come (only a holding lease is expected to beat;
+    CLI leases do not)."""
+    if lease.holder is not None:
+        pid = lease.holder[0]
+        text = f"process {pid}" if alive else f"process {pid} is gone"
+        return {"pid": pid, "watched": watched, "alive": alive, "text": text}
+    silent_for = now - lease.last_heartbeat
+    if not lease.request.heartbeat or lease.state not in HOLDING:
+        return {"pid": None, "watched": False, "alive": True, "text": ""}
+    silent_after = min(SILENT_AFTER, heartbeat_timeout) if heartbeat_timeout else SILENT_AFTER
+    if silent_for <= silent_after:
+        return {"pid": None, "watched": False, "alive": True, "text": f"heartbeat {max(0.0, silent_for):.0f} s ago"}
+    text = f"no heartbeat for {silent_for:.0f} s" + (f" (revoked at {heartbeat_timeout:g} s)" if heartbeat_timeout
+                                                     else "")
+    return {"pid": None, "watched": False, "alive": False, "text": text}
 
 
 def lease_view(
@@ -123,9 +149,9 @@ class Views:
     """The JSON views the API serves and the events carry. ``viewer`` None: the owner's view (events)."""
 
     def __init__(self, state: LiveState, policy: LeasePolicy, inventory: Inventory, enforcer: Enforcer,
-                 reservations: Reservations, preemption: Preemption, estimates: Estimates) -> None:
+                 reservations: Reservations, preemption: Preemption, estimates: Estimates, holders: Holders) -> None:
         self.state, self.policy, self.inventory, self.enforcer = state, policy, inventory, enforcer
-        self.reservations, self.preemption, self.estimates = reservations, preemption, estimates
+        self.reservations, self.preemption, self.estimates, self.holders = reservations, preemption, estimates, holders
 
     def lease(self, lease: Lease, viewer: Identity | None, now: float) -> dict[str, Any]:
         state = self.state
@@ -155,6 +181,8 @@ class Views:
             mps=lease.request.shared and self.mps_enabled(),
         )
         out.update(self.preemption.view(lease, admin=viewer is not None and viewer.admin))
+        watched, alive = self.holders.view(lease)
+        out["holder"] = holder_view(lease, watched, alive, now, float(self.policy.heartbeat_timeout))
         return out
 
     def start(self, lease_id: str, span: Span | None) -> tuple[float | None, tuple[float, float] | None]:

@@ -53,7 +53,9 @@ class LeasePolicy(LimitsPolicy, Configurable):
         60.0,
         config=True,
         help="Seconds without a heartbeat from a lease's holder after which the lease is revoked "
-        "with reason 'holder_gone'. Example: 60.",
+        "with reason 'holder_gone'. A lease whose holder process the broker watches (a kernel on this host, which "
+        "asks with ends_with_caller) ends when that process exits instead (reason 'holder_exited'). 0 = never. "
+        "Example: 60.",
     )
     warn_before_seconds = Float(
         60.0,

@@ -11,7 +11,7 @@ from ..core.lease_use import LeaseUse
 
 COLUMNS = (
     "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
-    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage"
+    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage, holder"
 )
 
 
@@ -37,6 +37,7 @@ def to_row(lease: Lease) -> tuple[Any, ...]:
         json.dumps(lease.pids),
         lease.secret_hash,
         lease.use.text(),
+        f"{lease.holder[0]} {lease.holder[1]}" if lease.holder is not None else "",
     )
 
 
@@ -71,10 +72,19 @@ def from_row(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
         pids=pids,
         secret_hash=r[18],
         use=LeaseUse.parse(r[19]),
+        holder=_holder(r[20]),
     )
 
 
-MARKS = ",".join("?" * 20)
+def _holder(text: str) -> tuple[int, int] | None:
+    """The holder column: 'pid start_ticks', or '' for none."""
+    if not text:
+        return None
+    pid, start = text.split()
+    return int(pid), int(start)
+
+
+MARKS = ",".join("?" * 21)
 INSERT = f"INSERT INTO leases ({COLUMNS}) VALUES ({MARKS})"
 REPLACE = f"REPLACE INTO leases ({COLUMNS}) VALUES ({MARKS})"
 HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"

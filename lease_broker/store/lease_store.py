@@ -24,7 +24,9 @@ from .upgrade import upgrade
 
 log = logging.getLogger("lease_broker")
 
-SCHEMA_VERSION = 2  # 2: leases.usage (what each lease used), added to a version 1 store when it opens
+# 2: leases.usage (what each lease used); 3: leases.holder (the process a lease ends with); added to an older
+# store when it opens (store/upgrade.py)
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -48,7 +50,8 @@ CREATE TABLE IF NOT EXISTS leases (
     last_activity REAL NOT NULL,
     pids TEXT NOT NULL DEFAULT '[]',
     secret_hash TEXT NOT NULL DEFAULT '',
-    usage TEXT NOT NULL DEFAULT ''
+    usage TEXT NOT NULL DEFAULT '',
+    holder TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle');
 CREATE INDEX IF NOT EXISTS leases_user ON leases(user, created_at);

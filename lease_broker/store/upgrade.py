@@ -17,6 +17,8 @@ def upgrade(db: sqlite3.Connection, version: int, target: int) -> None:
         columns = {r[1] for r in db.execute("PRAGMA table_info(leases)")}
         if "usage" not in columns:  # 1 -> 2: what each lease used
             db.execute("ALTER TABLE leases ADD COLUMN usage TEXT NOT NULL DEFAULT ''")
+        if "holder" not in columns:  # 2 -> 3: the process a lease ends with ('pid start_ticks'; '' for none)
+            db.execute("ALTER TABLE leases ADD COLUMN holder TEXT NOT NULL DEFAULT ''")
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(target),))
         db.execute("COMMIT")
     except BaseException:

@@ -400,7 +400,7 @@ def test_incremental_gets_min_now():
 def test_incremental_grows_as_gpus_free_and_is_notified():
     m, clock = make(gpus=4)
     a, _ = m.request(ALICE, {"gpus": 3, "duration_seconds": 600})
-    b, _ = m.request(BOB, {"gpus": "1-4", "duration_seconds": 900})
+    b, _ = m.request(BOB, {"gpus": "1-4", "duration_seconds": 900, "grow": True})
     assert len(b.devices) == 1
     first = list(b.devices)
     m.release(a.id, ALICE)
@@ -409,6 +409,29 @@ def test_incremental_grows_as_gpus_free_and_is_notified():
     grown = [e for e in m.events.backlog if e["type"] == "lease" and e["change"] == "grown"]
     assert grown and grown[-1]["user"] == "bob" and len(grown[-1]["lease"]["devices"]) == 4
     assert m.store.get(b.id).devices == b.devices  # persisted
+
+
+def test_a_range_without_grow_gets_what_is_free_at_its_grant_and_keeps_it():
+    """A plain cell can use only the GPUs its process saw when it started: on an idle cluster a 1-4 gets all 4 at
+    its grant; granted 2 (2 busy), it stays at 2 when the others free up. With grow it takes them."""
+    m, clock = make(gpus=4)
+    idle, _ = m.request(BOB, {"gpus": "1-4"})
+    assert len(idle.devices) == 4
+    m.release(idle.id, BOB)
+    busy, _ = m.request(ALICE, {"gpus": 2, "duration_seconds": 600})
+    plain, _ = m.request(BOB, {"gpus": "1-4", "duration_seconds": 900})
+    assert len(plain.devices) == 2 and m.planning.growable(clock.now()) == []
+    m.release(busy.id, ALICE)
+    assert len(plain.devices) == 2
+    assert not [e for e in m.events.backlog if e["type"] == "lease" and e["change"] == "grown"]
+    assert sorted(g["state"] for g in m.gpu_views(ADMIN)).count("free") == 2
+    m.release(plain.id, BOB)
+    busy, _ = m.request(ALICE, {"gpus": 2, "duration_seconds": 600})
+    growing, _ = m.request(BOB, {"gpus": "1-4", "duration_seconds": 900, "grow": True})
+    assert len(growing.devices) == 2
+    m.release(busy.id, ALICE)
+    assert len(growing.devices) == 4
+    assert m.state.table.verify(m.leases.values(), m.gpus) == []
 
 
 @pytest.mark.parametrize("case, want", [
@@ -421,7 +444,7 @@ def test_incremental_growth_rules(case, want):
     policy = {"max_gpus_per_user": 2} if case == "user cap" else {}
     m, clock = make(gpus=4, **policy)
     a, _ = m.request(ALICE, {"gpus": 2, "duration_seconds": 600})
-    b, _ = m.request(BOB, {"gpus": "2-4", "duration_seconds": 3600})
+    b, _ = m.request(BOB, {"gpus": "2-4", "duration_seconds": 3600, "grow": True})
     assert len(b.devices) == 2
     if case == "queued gang first":
         c, _ = m.request(CAROL, {"gpus": 2})
@@ -436,12 +459,12 @@ def test_incremental_growth_rules(case, want):
 def test_incremental_growth_stays_on_its_node_unless_any():
     m, clock = make(gpus=4, nodes=2)  # 2 GPUs per node
     hold, _ = m.request(ALICE, {"gpus": 1})
-    b, _ = m.request(BOB, {"gpus": "1-4"})
+    b, _ = m.request(BOB, {"gpus": "1-4", "grow": True})
     other = [g.node for g in m.gpus if g.id == b.devices[0]][0]
     assert len(b.devices) == 1 or all(m.gpu_by_id[d].node == other for d in b.devices)
     m.release(hold.id, ALICE)
     assert len(b.devices) == 2 and len({m.gpu_by_id[d].node for d in b.devices}) == 1
-    c, _ = m.request(CAROL, {"gpus": "1-4", "locality": "any"})
+    c, _ = m.request(CAROL, {"gpus": "1-4", "locality": "any", "grow": True})
     assert c.state == LeaseState.GRANTED and len(c.devices) == 2
     m.release(b.id, BOB)
     assert len(c.devices) == 4 and len({m.gpu_by_id[d].node for d in c.devices}) == 2
@@ -552,7 +575,7 @@ def test_shared_leases_do_not_starve_the_head_on_a_shared_gpu():
 def test_incremental_growth_within_the_daily_quota():
     m, clock = make(gpus=4, user_limits={"bob": {"gpu_hours_per_day": 2}})
     a, _ = m.request(ALICE, {"gpus": 3, "duration_seconds": 600})
-    b, _ = m.request(BOB, {"gpus": "1-4", "duration_seconds": HOUR})
+    b, _ = m.request(BOB, {"gpus": "1-4", "duration_seconds": HOUR, "grow": True})
     m.release(a.id, ALICE)
     assert len(b.devices) == 2  # 1 h x 2 GPUs is all of bob's 2 GPU-hours
 

@@ -65,11 +65,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(user=st.sampled_from(USERS), gpus=st.sampled_from(["1", "2", "3", "4", "6", "1-3", "2-4", "0.25", "0.5"]),
           duration=st.sampled_from([60, 300, 900, 1800, 3600]), priority=st.sampled_from(["low", "normal", "high"]),
           spread=st.booleans(), gpu_type=st.sampled_from(["", "", "", "A100", "H100", "V100"]),
-          gpu_mem=st.sampled_from([0, 0, 0, "40G", "64G"]), notebook=st.sampled_from(["", "a.ipynb", "b.ipynb"]))
+          gpu_mem=st.sampled_from([0, 0, 0, "40G", "64G"]), notebook=st.sampled_from(["", "a.ipynb", "b.ipynb"]),
+          grow=st.booleans())
     def request(self, user: Identity, gpus: str, duration: int, priority: str, spread: bool, gpu_type: str,
-                gpu_mem: int | str, notebook: str) -> None:
+                gpu_mem: int | str, notebook: str, grow: bool) -> None:
         body: dict[str, object] = {"gpus": gpus, "duration_seconds": duration, "priority": priority,
-                                   "gpu_type": gpu_type, "gpu_mem": gpu_mem}
+                                   "gpu_type": gpu_type, "gpu_mem": gpu_mem, "grow": grow}
         if notebook:  # warm re-grants: its notebook's last GPUs again while they are free
             body["labels"] = {"notebook": notebook}
         if spread:
@@ -319,6 +320,7 @@ class DeepQueueMachine(SchedulerMachine):
     @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]))
     def start(self, nodes: int | str) -> None:
         super().start(nodes)
+        self.policy.max_queued_per_user = 0  # (its default cap, 1000, is below DEEP)
         for _ in range(DEEP):
             self.m.request(USERS[3], {"gpus": "3", "locality": "any", "priority": "low", "duration_seconds": 3600})
         assert len(self.m.state.queue) >= DEEP - 2

@@ -149,7 +149,7 @@ def test_kernel_killed_mid_cell_hands_the_gpu_to_the_next_kernel(broker_factory,
     assert r2.status == "ok", r2.outputs
     assert "second ran on l-" in r2.stdout and first not in r2.stdout
     lease = c.lease(first)
-    assert lease["state"] == "revoked" and lease["reason"] == "holder_gone"
+    assert lease["state"] == "revoked" and lease["reason"] == "holder_exited"  # its kernel process exited (issue 31)
     record(fault="kernel kill -9 mid-cell", worker_gone_s=round(gone_s, 3), lease_ended_s=round(ended_s, 3),
            heartbeat_timeout_s=2, next_in_queue_ran=True)
 
