@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# `make demo` installs only what the demo needs (the broker, the extension, JupyterLab: the demo extra), not the
+# test, dev or ray extras; a venv that `make test` made already has all of it
+DEMO_STAMP := $(VENV)/.demo-stamp
 # JupyterHub's proxy for the tests that start a real Hub (npm; an ignored folder, found by tests/hub_process.py)
 HUB_PROXY := .hub-proxy/node_modules/.bin/configurable-http-proxy
 DEMO_DIR ?= $(CURDIR)/.demo
@@ -25,8 +28,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,dev,ray]'
 	# link the sidebar's build output so `cd labextension && jlpm build` is picked up without reinstalling
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter labextension develop --overwrite .
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter-builder develop --overwrite .
 	touch $(STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	[ $(STAMP) -nt pyproject.toml ] || $(BIN)/python -m pip install -q -e '.[demo]'
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter-builder develop --overwrite .
+	touch $(DEMO_STAMP)
 
 # System packages the tests need (Debian): installed only when run as root and missing
 # (chromium: browser tests; slurm-wlm, slurm-client, munge: the Slurm tests start a real Slurm).
@@ -67,7 +76,7 @@ soak: $(STAMP)
 	GPULEASE_SOAK_SECONDS=$${GPULEASE_SOAK_SECONDS:-60} GPULEASE_FUZZ_EXAMPLES=$${GPULEASE_FUZZ_EXAMPLES:-100} \
 		$(BIN)/python -m benchmarks --only load --only reliability
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	bash scripts/demo.sh "$(DEMO_DIR)"
 
 clean:

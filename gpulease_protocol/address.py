@@ -1,7 +1,8 @@
 """Where the broker listens, and where a client looks for it: the one definition of the default socket.
 
 A client (kernel, CLI, Jupyter server) looks, in order, at ``GPULEASE_BROKER``
-(``unix:///path/to.sock`` or ``http://host:port``), then the system broker's socket
+(``unix:///path/to.sock``, a bare socket path, or ``http://host:port``; ``check_broker_url`` is the one check of it
+and of ``--broker``), then the system broker's socket
 ``/run/gpulease/broker.sock`` when it exists, then the per-user socket.
 
 A broker started without ``--socket`` listens on the system socket when it runs as root, else on the
@@ -33,6 +34,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import urllib.parse
 
 from .private import UnsafePathError, trusted_path, user_text
 
@@ -52,11 +54,46 @@ def listen_socket() -> str:
     return SYSTEM_SOCKET if os.geteuid() == 0 else per_user_socket()
 
 
+BROKER_FORMS = "unix:///path/to.sock, a socket path like /run/gpulease/broker.sock, or http://host:port"
+
+
+def check_broker_url(url: str, where: str = "the broker URL") -> str:
+    """The broker address ``url`` in its one written form, ``unix:///path`` or ``http://host:port``: the one check
+    of ``GPULEASE_BROKER``, ``--broker`` and ``BrokerClient(url)``. A bare socket path (``/run/x.sock``,
+    ``./x.sock``, ``~/x.sock``) is a Unix socket; anything else (``garbage``, ``host:port``, ``https://``) is a
+    ``ValueError`` that names ``where`` and the forms accepted (``BROKER_FORMS``), before anything is sent."""
+    text = url.strip()
+
+    def refuse(why: str = "") -> ValueError:
+        return ValueError(f"{where}={url!r} is not a broker address{why}: use {BROKER_FORMS}")
+
+    if "://" not in text:
+        if text.startswith(("/", "./", "../", "~")):
+            return "unix://" + os.path.abspath(os.path.expanduser(text))
+        raise refuse()
+    parsed = urllib.parse.urlparse(text)
+    if parsed.scheme == "unix":
+        path = parsed.path or parsed.netloc
+        if not path:
+            raise refuse(" (no socket path)")
+        return "unix://" + path if path.startswith("/") else text
+    if parsed.scheme != "http":
+        raise refuse()
+    try:
+        parsed.port  # noqa: B018 (urllib checks the port when asked for it)
+    except ValueError:
+        raise refuse(" (the port is not a number from 1 to 65535)") from None
+    if not parsed.hostname:
+        raise refuse(" (no host)")
+    return text.rstrip("/")
+
+
 def broker_url() -> str:
-    """Where a client looks: ``GPULEASE_BROKER``, else a running system broker, else ``listen_socket()``."""
-    env = os.environ.get("GPULEASE_BROKER")
+    """Where a client looks: ``GPULEASE_BROKER`` (checked by ``check_broker_url``), else a running system broker,
+    else ``listen_socket()``."""
+    env = os.environ.get("GPULEASE_BROKER", "").strip()
     if env:
-        return env
+        return check_broker_url(env, "GPULEASE_BROKER")
     if os.path.exists(SYSTEM_SOCKET):
         return "unix://" + SYSTEM_SOCKET
     return "unix://" + listen_socket()

@@ -11,14 +11,20 @@ A lease comes back as a ``LeaseView``.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpulease_protocol.address import UntrustedSocket, asks_for_token, auth_headers, broker_url, client_token
+from gpulease_protocol.address import (
+    UntrustedSocket,
+    asks_for_token,
+    auth_headers,
+    broker_url,
+    check_broker_url,
+    client_token,
+)
 
 from . import http1
 
@@ -130,7 +136,7 @@ class BrokerClient:
     (``address.client_token()``), presented over TCP, and over a Unix socket only once the broker asked for it."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
-        self.url = url or broker_url()
+        self.url = check_broker_url(url) if url else broker_url()  # ValueError: not a broker address
         self.token = token
         self._ambient = client_token() if token is None else None
         self._asked = False  # the broker answered a Unix-socket request with a token challenge
@@ -139,13 +145,9 @@ class BrokerClient:
         if parsed.scheme == "unix":
             self._unix: str | None = parsed.path or parsed.netloc
             self._host, self._port = "localhost", 0
-        elif parsed.scheme in ("http", ""):
+        else:  # http://host:port (check_broker_url)
             self._unix = None
             self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
-        else:
-            where = "the broker URL" if url else "GPULEASE_BROKER" if os.environ.get("GPULEASE_BROKER") else "the broker URL"
-            raise ValueError(f"{where}={self.url!r} is not a broker address: use unix:///path/to.sock or "
-                             "http://host:port")
         self._local = threading.local()
 
     # ---------------------------------------------------------------- transport
@@ -262,6 +264,12 @@ class BrokerClient:
     def reservations(self) -> list[dict[str, Any]]:
         """Advance reservations that have not ended (booked and active)."""
         return list(self.request("GET", "/api/v1/reservations")["reservations"])
+
+    def quota(self, user: str | None = None) -> dict[str, Any]:
+        """What is left of each limit and budget that applies to the caller (an admin: to ``user``):
+        ``{"user", "limits": [{"name", "text", "used", "limit", "unit", "refills_at"}]}``."""
+        q = "?" + urllib.parse.urlencode({"user": user}) if user else ""
+        return self.request("GET", "/api/v1/quota" + q)
 
     def history(self, lease_id: str) -> list[dict[str, Any]]:
         return list(self.request("GET", f"/api/v1/leases/{lease_id}/history")["transitions"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from .client import LeaseView
@@ -25,33 +25,6 @@ def fmt_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
-def _about(seconds: float) -> tuple[str, str]:
-    """A wait as a user reads an estimate: whole minutes, then hours, then days (one decimal below 10)."""
-    for unit, size, start in (("d", 86400.0, 2 * 86400.0), ("h", 3600.0, 3570.0)):
-        if seconds >= start:
-            x = seconds / size
-            return (f"{x:.1f}".removesuffix(".0") if x < 10 else f"{x:.0f}"), unit
-    return f"{max(1, round(seconds / 60))}", "min"
-
-
-def fmt_eta(start: float | None, span: Sequence[float] | None, now: float) -> str:
-    """When a queued request will likely start, as a user reads it: "~3 min", a range "~1–4 min" when the broker
-    is unsure (its ``estimated_start_range``), "under a minute"; "?" without an estimate."""
-    if not start:
-        return "?"
-    likely = max(0.0, start - now)
-    low, high = (max(0.0, span[0] - now), max(0.0, span[1] - now)) if span else (likely, likely)
-    if high < 60:
-        return "under a minute"
-    (lo, lo_unit), (hi, hi_unit) = _about(low), _about(high)
-    if high <= 1.25 * max(low, 60.0) or (lo, lo_unit) == (hi, hi_unit):
-        value, unit = _about(likely if span is None or low <= likely <= high else high)
-        return f"~{value} {unit}"
-    if low < 60:
-        lo, lo_unit = "0", hi_unit
-    return f"~{lo}–{hi} {hi_unit}" if lo_unit == hi_unit else f"~{lo} {lo_unit}–{hi} {hi_unit}"
 
 
 def lease_gpus(item: Mapping[str, Any]) -> str:
@@ -117,15 +90,15 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
     rows: list[list[Any]] = [
         ["lease", lease.id],
         ["user", lease.user],
-        ["state", f"{lease.state} ({lease.reason})" if lease.reason else lease.state],
+        ["state", state_text(lease)],
         ["gpus", f"{lease_gpus(lease)} [{devs}]" + (" (simulated)" if lease.simulated else "")],
         ["priority", lease.priority],
         ["requested", when(lease.created_at)],
     ]
     if lease.state == "queued":
         rows.append(["position", f"{lease.position or '?'}, waited {fmt_duration(now - lease.created_at)}"])
-        if lease.estimated_start:
-            rows.append(["starts", "in " + fmt_eta(lease.estimated_start, lease.estimated_start_range, now)])
+        if lease.get("estimate_text"):
+            rows.append(["starts", lease["estimate_text"]])
     if lease.granted_at:
         rows.append(["granted", f"{when(lease.granted_at)} (queued {fmt_duration(lease.granted_at - lease.created_at)})"])
     if lease.expires_at and not lease.ended_at:
@@ -135,7 +108,7 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
         rows.append(["ended", when(lease.ended_at) + held])
     rows.append(["time limit", fmt_duration(lease.duration_seconds) if lease.duration_seconds else "-"])
     rows.append(["idle timeout", fmt_duration(lease.idle_timeout_seconds) if lease.idle_timeout_seconds else "-"])
-    rows += usage_rows(lease.usage)
+    rows += usage_rows(lease.usage, ended=bool(lease.ended_at))
     if lease.labels:
         rows.append(["labels", ", ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))])
     width = max(len(r[0]) for r in rows)
@@ -148,17 +121,19 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
     return "\n".join(lines)
 
 
-def usage_rows(usage: Mapping[str, Any] | None) -> list[list[Any]]:
-    """``gpulease show``'s lines of what a lease used (none before it was granted)."""
+def usage_rows(usage: Mapping[str, Any] | None, ended: bool = False) -> list[list[Any]]:
+    """``gpulease show``'s lines of what a lease used (none before it was granted); an ended lease's figures are
+    final, so what was not measured is "not measured", never "not measured yet"."""
     if not usage:
         return []
+    yet = "" if ended else " yet"
     source = f" ({usage['source']} figures)" if usage.get("source") == "device" else ""
     held = f" of {fmt_bytes(usage['held_memory'])} held" if usage.get("held_memory") else ""
     memory = (f"peak {fmt_bytes(usage['peak_memory'])}{held}" if usage.get("peak_memory") is not None
-              else "not measured yet")
+              else "not measured" + yet)
     mean = usage.get("mean_utilization")
     util = (f"mean {mean:.0f}%, peak {usage['peak_utilization']:.0f}%" if mean is not None
-            else "not measured" + (" (a MIG slice has no counter)" if usage.get("samples") else " yet"))
+            else "not measured" + (" (a MIG slice has no counter)" if usage.get("samples") else yet))
     return [["gpu memory", memory + source], ["gpu util", util]]
 
 
@@ -185,12 +160,50 @@ def _gpu_state(g: dict[str, Any], now: float) -> str:
     return str(g["state"])
 
 
+def why(item: Mapping[str, Any]) -> str:
+    """The broker's words for why a lease waits (``wait.text``) or ended (``reason_text``); the ``reason`` slug only
+    from a broker without them. Never made here: the broker's view carries the words."""
+    return str((item.get("wait") or {}).get("text") or item.get("reason_text") or item.get("reason") or "")
+
+
+def state_text(lease: Mapping[str, Any]) -> str:
+    """A lease's state in the broker's words: its ``reason_text`` (which names the state: "revoked: idle for 10 min
+    while others waited"), "queued: " and why it waits, else the state and its reason slug (an older broker)."""
+    if lease.get("reason_text"):
+        return str(lease["reason_text"])
+    wait = (lease.get("wait") or {}).get("text")
+    if wait:
+        return f"{lease['state']}: {wait}"
+    return f"{lease['state']} ({lease['reason']})" if lease.get("reason") else str(lease["state"])
+
+
 def queue_table(queue: list[dict[str, Any]]) -> str:
+    """The queue (``BrokerClient.queue()``): the broker's start estimate (``estimate_text``) and why each waits."""
     rows = [[q["position"], q["user"], q["lease_id"] or "-", lease_gpus(q), q["priority"],
-             fmt_duration(q["waited_seconds"]),
-             fmt_eta(q.get("estimated_start"), q.get("estimated_start_range"), time.time())]
+             fmt_duration(q["waited_seconds"]), q.get("estimate_text") or "-", why(q) or "-"]
             for q in queue]
-    return table(["POS", "USER", "LEASE", "GPUS", "PRIORITY", "WAITED", "EST. START IN"], rows)
+    return table(["POS", "USER", "LEASE", "GPUS", "PRIORITY", "WAITED", "STARTS", "WAITS FOR"], rows)
+
+
+def quota_table(quota: Mapping[str, Any], now: float | None = None) -> str:
+    """What is left of each limit that applies to the user (``BrokerClient.quota()``): the broker's words, what is
+    used of what limit, and when it refills."""
+    now = time.time() if now is None else now
+    if not quota.get("limits"):
+        return f"No limits apply to {quota.get('user') or 'you'}."
+
+    def amount(x: float | None, unit: str) -> str:
+        if x is None:
+            return "no limit"
+        return f"{x:g} GPU" + ("s" if x != 1 else "") if unit == "gpus" else f"{x:.2f} GPU-hours"
+
+    rows = []
+    for q in quota["limits"]:
+        limit = q.get("limit")
+        left = "-" if limit is None else amount(max(0.0, limit - q["used"]), q["unit"])
+        refills = fmt_clock(q["refills_at"], now) if q.get("refills_at") else "-"
+        rows.append([q["text"], amount(q["used"], q["unit"]), amount(limit, q["unit"]), left, refills])
+    return f"Limits of {quota['user']}:\n" + table(["LIMIT", "USED", "OF", "LEFT", "REFILLS"], rows)
 
 
 def leases_table(leases: list[LeaseView]) -> str:
@@ -202,8 +215,8 @@ def leases_table(leases: list[LeaseView]) -> str:
         left = fmt_duration(lease.expires_at - now) if lease.expires_at and not lease.ended_at else "-"
         devs = ",".join(f"{d['node']}:{d['index']}" for d in lease.devices) or "-"
         holder = (lease.get("holder") or {}).get("text") or "-"
-        rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, holder, lease.reason])
-    return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "HOLDER", "REASON"], rows)
+        rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, holder, why(lease) or "-"])
+    return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "HOLDER", "WHY"], rows)
 
 
 def fmt_clock(t: float, now: float) -> str:

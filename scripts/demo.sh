@@ -53,24 +53,44 @@ for _ in $(seq 1 200); do
 done
 "$BIN/gpulease" status
 
-# No "Jupyter news" toast in the demo
+# No "Jupyter news" toast in the demo, and the GPU panel open from the start
 SETTINGS="$PWD/.venv/share/jupyter/lab/settings"
 mkdir -p "$SETTINGS"
 [ -e "$SETTINGS/overrides.json" ] || cat >"$SETTINGS/overrides.json" <<'JSON'
-{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}
+{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false},
+ "jupyter-gpulease:plugin": {"openAtStart": true}}
 JSON
+
+# The GPU panel open at the first start: a workspace of the demo's own with it current in the left sidebar (kept
+# once JupyterLab saves the user's own layout there)
+WORKSPACES="$DEMO_DIR/workspaces"
+"$BIN/python" - "$WORKSPACES" <<'PY'
+import json, sys
+from pathlib import Path
+from jupyterlab_server.workspaces_handler import WorkspacesManager
+manager = WorkspacesManager(Path(sys.argv[1]))
+if not list(Path(sys.argv[1]).glob("*.jupyterlab-workspace")):
+    left = {"collapsed": False, "visible": True, "current": "gpulease-panel", "widgets": ["gpulease-panel"]}
+    manager.save("default", json.dumps({"data": {"layout-restorer:data": {"left": left}},
+                                        "metadata": {"id": "default"}}))
+PY
 
 TOKEN=${DEMO_TOKEN:-$("$BIN/python" -c 'import secrets; print(secrets.token_hex(16))')}
 ROOT_FLAG=()
 [ "$(id -u)" = 0 ] && ROOT_FLAG=(--allow-root)
 # --ServerApp.answer_yes: a Ctrl-C stops JupyterLab at once (no "Shut down this Jupyter server (y/[n])?")
 LAB=("$BIN/jupyter" lab --no-browser --ip="$IP" --port="$PORT" --IdentityProvider.token="$TOKEN"
-     --ServerApp.root_dir="$NOTEBOOKS" --ServerApp.port_retries=0 --ServerApp.answer_yes=True "${ROOT_FLAG[@]}")
+     --ServerApp.root_dir="$NOTEBOOKS" --LabApp.workspaces_dir="$WORKSPACES" --ServerApp.port_retries=0 --ServerApp.answer_yes=True "${ROOT_FLAG[@]}")
 URL="http://$IP:$PORT/lab/tree/quickstart.ipynb?token=$TOKEN"
 
 fetch() {  # fetch URL -> body on stdout; fails on HTTP errors (no curl needed)
     "$BIN/python" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"
 }
+
+echo
+echo "For the gpulease CLI in a second terminal:"
+echo "  source $BIN/activate"
+echo "  export GPULEASE_BROKER=$GPULEASE_BROKER"
 
 if [ "${DEMO_CHECK:-0}" = 1 ]; then
     "${LAB[@]}" >"$DEMO_DIR/lab.log" 2>&1 &

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,9 @@ def test_sidebar_follows_the_broker(lab, page, client, broker):
     broker.stop()
     expect(status_item(page)).to_have_text("GPUs: broker unreachable")
     expect(page.locator("#gpulease-panel .jp-GpuLease-connection")).to_have_text("broker unreachable")
+    # the last state fetched is not what the GPUs do now: no card says "free"
+    expect(page.locator('#gpulease-panel .jp-GpuLease-card[data-state="unknown"]')).to_have_count(len(gpus))
+    expect(cards.filter(has_text="free")).to_have_count(0)
     page.screenshot(path=str(ARTIFACTS / "sidebar-unreachable.png"))
     broker.start()
     expect(status_item(page)).to_have_text("GPUs 4/4 free")
@@ -68,6 +72,12 @@ def test_sidebar_follows_the_broker(lab, page, client, broker):
     expect(card(page, gpu2)).to_have_attribute("data-state", "free")
     revoked = client.lease(lease2["id"])
     assert revoked["state"] == "revoked" and "nightly" in (revoked["reason"] or "")
+
+    # a lease of two GPUs says so in the plural
+    pair = client.request_lease(2, duration_seconds=600)
+    title = page.locator(f'#gpulease-panel [data-section="my-leases"] [data-lease-id="{pair["id"]}"] '
+                         '.jp-GpuLease-leaseTitle')
+    expect(title).to_have_text(f"{pair['id']} (GPUs {', '.join(str(d['index']) for d in pair['devices'])})")
 
     # the status-bar item opens the panel
     page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')  # collapse it
@@ -112,6 +122,9 @@ def test_gpu_cell_run_from_the_ui_shows_in_the_sidebar(lab, page, client):
     # its artifacts are listed, and the link opens them in JupyterLab
     link = page.locator('#gpulease-panel [data-section="artifacts"] a.jp-GpuLease-artifact').first
     expect(link).to_be_visible()
+    # when, in the sidebar's one clock format (as its notifications and dialogs say it): today, the time alone
+    when = page.locator('#gpulease-panel [data-section="artifacts"] .jp-GpuLease-artifactWhen').first
+    expect(when).to_have_text(re.compile(r"^\s*\d\d:\d\d( [AP]M)?$"))
     link.click()
     expect(page.locator(".lm-TabBar-tab", has_text="output.log")).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "gpu-cell-done.png"))

@@ -67,10 +67,15 @@ def test_waited_counts_live_and_cancel_withdraws_the_request(lab, page, client, 
     item = page.locator(f'#gpulease-panel .jp-GpuLease-queueItem[data-lease-id="{queued["id"]}"]')
     waited = item.locator(".jp-GpuLease-waited")
     expect(waited).to_be_visible()
-    # when it will likely start: one value or a range, as the cell and the CLI say it (tables.fmt_eta)
-    assert client.queue()[0]["estimated_start_range"] is not None
-    expect(item).to_contain_text(re.compile(r"starts in (~[\d.]+(–[\d.]+)? (min|h|d)|~[\d.]+ \w+–[\d.]+ \w+|under a minute)"))
-    expect(item.locator(".jp-GpuLease-eta")).to_have_attribute("data-low", re.compile(r"^\d+(\.\d+)?$"))
+    # when it will likely start and why it waits: the broker's words, as the cell and the CLI show them
+    def shows_the_brokers_words() -> bool:
+        entry = client.queue()[0]
+        assert entry["estimate_text"] and entry["wait"]["text"], entry
+        said = item.inner_text()
+        return f"start: {entry['estimate_text']}" in said and entry["wait"]["text"] in said
+    assert wait_until(shows_the_brokers_words), item.inner_text()
+    expect(item.locator(".jp-GpuLease-eta")).to_have_count(0)  # no estimate of its own beside the broker's
+    expect(lease_row(page, queued["id"])).to_contain_text(client.lease(queued["id"])["wait"]["text"])
     queue_fetched = requests_to(page, "queue")
     for _ in range(3):  # a refetch may still follow the requests' events: look for a tick between fetches
         queue_fetched.clear()
@@ -117,6 +122,21 @@ def test_release_asks_while_a_cell_runs_and_extend_offers_what_the_policy_allows
     assert wait_until(lambda: any(x["pids"] for x in client.leases())), "the cell's worker attaches to its lease"
     lease = client.leases()[0]
     row = lease_row(page, lease["id"])
+    # a running cell keeps its lease busy: no idle countdown, on its row or its GPU's card
+    gpu = card(page, lease["devices"][0]["id"])
+    expect(gpu).to_have_attribute("data-state", "yours")
+    expect(row.locator(".jp-GpuLease-leaseState")).to_contain_text(" left")
+    expect(row.locator(".jp-GpuLease-leaseState")).not_to_contain_text("idle in")
+    expect(gpu.locator(".jp-GpuLease-state")).not_to_contain_text("idle in")
+    # the card and the row count the same time left at the same moment (sampled across the seconds' ticks)
+    where = [f'#gpulease-panel [data-section="my-leases"] [data-lease-id="{lease["id"]}"] .jp-GpuLease-leaseState',
+             f'#gpulease-panel .jp-GpuLease-card[data-gpu-id="{lease["devices"][0]["id"]}"] .jp-GpuLease-state']
+    for _ in range(4):
+        texts = page.evaluate("""where => where.map(s => /(\\S+(?: \\S+)?) left/.exec(
+            document.querySelector(s).textContent)[1])""", where)
+        assert texts[0] == texts[1], texts
+        page.wait_for_function("([s, t]) => !document.querySelector(s).textContent.includes(t + ' left')",
+                               arg=[where[1], texts[1]])  # the next tick
 
     # Extend offers the choices that fit the policy; a custom time past it is explained, not sent
     extend = row.get_by_role("button", name=f"Extend lease {lease['id']}")

@@ -85,17 +85,31 @@ def test_a_queued_cell_of_another_notebook_is_told_with_a_button_that_opens_it(l
     page.add_init_script(RECORD_DESKTOP)
     write_notebook(lab, "first.ipynb", ["x = 1"])
     write_notebook(lab, "second.ipynb", ["%load_ext jupyter_gpulease",
+                                         "x = 'a prompt left from an earlier kernel'",
+                                         "%%gpu --time 10m\nimport time; time.sleep(2)\nprint('granted at once')",
                                          "%%gpu --time 10m\nprint('the cell got its GPU', flush=True)"])
-    held = client.request_lease(1, heartbeat=False)
-    assert held.state == "granted"
+    nb = nbformat.read(lab.root_dir / "second.ipynb", as_version=4)
+    nb.cells[1].execution_count = 3  # the prompt the last cell will get: "Open" must not select this one
+    nbformat.write(nb, lab.root_dir / "second.ipynb")
 
     page.goto(f"{lab.url}/lab/tree/second.ipynb?token={lab.token}")
     page.wait_for_selector("#jupyterlab-splash", state="detached")
     expect(page.locator(".jp-StatusBar-Widget", has_text="Python 3 (ipykernel) | Idle").first).to_be_visible()
-    page.locator(".jp-Notebook .jp-Cell").first.click()
+    cells = page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
+    cells.first.click()
     page.keyboard.press("Shift+Enter")
-    expect(page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")).to_have_text("[1]:")
-    page.keyboard.press("Shift+Enter")  # the %%gpu cell waits in the queue: the only GPU is held
+    expect(cells.first.locator(".jp-InputPrompt")).to_have_text("[1]:")
+
+    # a %%gpu cell granted at once did not wait: no "waits in the queue", nor an offer of desktop notifications
+    cells.nth(2).click()
+    page.keyboard.press("Shift+Enter")
+    expect(cells.nth(2).locator(".jp-OutputArea-output", has_text="granted at once")).to_be_visible()
+    expect(cells.nth(2).locator(".jp-InputPrompt")).to_have_text("[2]:")
+    expect(toast(page, "Your GPU request waits in the queue")).to_have_count(0)
+
+    held = client.request_lease(1, heartbeat=False)
+    assert held.state == "granted"
+    page.keyboard.press("Shift+Enter")  # the last %%gpu cell waits in the queue: the only GPU is held
     assert wait_until(lambda: any(x.state == "queued" and x.labels.get("notebook", "").endswith("/second.ipynb")
                                   for x in client.leases()), 60), "the %%gpu cell's request is queued"
 
@@ -124,7 +138,8 @@ def test_a_queued_cell_of_another_notebook_is_told_with_a_button_that_opens_it(l
     told.get_by_role("button", name="Open second.ipynb").click()
     expect(current_tab(page)).to_contain_text("second.ipynb")
     active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
-    expect(active).to_contain_text("%%gpu --time 10m")
+    expect(active).to_contain_text("print('the cell got its GPU', flush=True)")  # the cell that ran, by its id
+    expect(active.locator(".jp-InputPrompt")).to_have_text("[3]:")
     expect(page.locator(".jp-NotebookPanel:visible .jp-OutputArea-output", has_text="the cell got its GPU")) \
         .to_be_visible()
     # the tab was visible: nothing went to the desktop (and the browser was not allowed to anyway)
@@ -170,14 +185,14 @@ def test_a_kind_turned_off_is_not_told_and_a_hidden_tab_is_told_on_the_desktop(l
     assert wait_until(lambda: client.lease(waiting.id).state == "granted"), "the queued request is granted"
     client.release(waiting.id, reason="cell finished")  # the background cell ended: told
     ended = toast(page, "Background cell train in train.ipynb finished")
-    expect(ended).to_contain_text(f"lease {waiting.id} released (cell finished)")
+    expect(ended).to_contain_text(f"lease {waiting.id} was released: cell finished")
     expect(ended.get_by_role("button", name="Open train.ipynb")).to_be_visible()
     # the events come in order: the grant came first and was not told, in the lab nor on the desktop
     expect(toast(page, "GPU granted")).to_have_count(0)
     assert wait_until(lambda: page.evaluate("window.__desktopShown.length") >= 1)
     shown = page.evaluate("window.__desktopShown")
     assert [s["title"] for s in shown] == ["Background cell train finished"]
-    assert f"lease {waiting.id} released" in shown[0]["body"]
+    assert f"lease {waiting.id} was released" in shown[0]["body"]
     assert page.evaluate("window.__permissionAsked") == []  # already allowed: nothing offered, nothing asked
     expect(toast(page, "Allow desktop notifications")).to_have_count(0)
     expect(ended).to_be_in_viewport(ratio=1)
@@ -200,6 +215,29 @@ def test_an_expiry_is_warned_then_told_and_the_warning_goes(lab, page, client):
     expect(warned.get_by_role("button", name="Extend…")).to_be_visible()
     ended = toast(page, f"Your GPU lease {lease.id} (eval.ipynb, cell In[2]) was expired")
     expect(ended).to_be_visible()
+    # in the broker's words (its view's reason_text), not its reason code
+    expect(ended).to_contain_text(client.lease(lease.id)["reason_text"])
+    expect(ended).not_to_contain_text("(expired)")
     expect(ended.get_by_role("button", name="Open eval.ipynb")).to_be_visible()
     expect(warned).to_have_count(0)  # nothing left to extend: the warning went with the lease
     assert client.lease(lease.id).state == "expired"
+
+
+@pytest.mark.parametrize("broker", [["--LeasePolicy.warn_before_seconds=3600"]], indirect=True)
+def test_a_release_takes_its_warning_away(lab, page, client):
+    open_panel(page, lab)
+    lease = client.request_lease(1, heartbeat=False, duration_seconds=1800)
+    warned = toast(page, f"Lease {lease.id} will be expired in")  # within warn_before_seconds: at once
+    expect(warned).to_be_visible()
+    client.release(lease.id)  # a release is told nothing: its warning still goes
+    expect(warned).to_have_count(0)
+    assert client.lease(lease.id).state == "released"
+
+
+def test_the_panel_opens_at_start_when_the_setting_says_so(lab, page):
+    put_settings(lab, {"openAtStart": True})
+    page.goto(f"{lab.url}/lab?token={lab.token}")
+    page.wait_for_selector("#jupyterlab-splash", state="detached")
+    expect(page.locator("#gpulease-panel")).to_be_visible()  # nobody clicked its tab
+    expect(page.locator("#gpulease-panel .jp-GpuLease-card").first).to_be_visible()
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +33,11 @@ def test_demo_script_starts_broker_and_lab_with_the_extensions(tmp_path: Path) -
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "(SIMULATED inventory): 3/3 GPUs free" in out.stdout
+    # a second terminal finds this broker: the line to paste, with the socket the broker listens on
+    export = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("export GPULEASE_BROKER=")]
+    assert len(export) == 1, out.stdout
+    url = export[0].split("=", 1)[1]
+    assert url.startswith("unix://") and url.endswith("/broker.sock"), url
     assert "JupyterLab answers" in out.stdout
     assert "sidebar extension: enabled" in out.stdout
     assert "server extension: answers" in out.stdout
@@ -120,3 +128,50 @@ def test_example_notebooks_are_in_the_form_jupyter_writes() -> None:
         assert all(c.get("id") for c in nb.cells) and all(not c.get("outputs") for c in nb.cells)
         assert nb.metadata["kernelspec"] == {"name": "python3", "display_name": spec.display_name,
                                              "language": spec.language}, path.name
+
+
+@pytest.mark.browser
+def test_the_demo_opens_with_the_gpu_panel_showing(tmp_path: Path) -> None:
+    """A newcomer opens the URL the demo prints and sees the GPU panel without looking for it in the sidebar."""
+    from browser_support import CHROMIUM, WAIT_MS, chromium_missing
+
+    if (why := chromium_missing()) or not os.path.exists(CHROMIUM):
+        pytest.skip(why or f"{CHROMIUM} is missing: run `make system-deps`")
+    from playwright.sync_api import expect, sync_playwright
+
+    demo, port, token = tmp_path / "demo", _free_port(), "p" * 32
+    env = {**os.environ, "DEMO_PORT": str(port), "DEMO_GPUS": "2", "DEMO_TOKEN": token}
+    env.pop("GPULEASE_BROKER", None)
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "demo.sh"), str(demo)], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        url = ""
+        for line in proc.stdout:  # bounded by the demo's own start-up limits (it exits on failure)
+            if line.startswith("Open http"):
+                url = line.split()[1]
+                break
+        assert url.startswith(f"http://127.0.0.1:{port}/lab/tree/quickstart.ipynb"), url
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        expect.set_options(timeout=WAIT_MS)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url)
+            expect(page.locator("#gpulease-panel")).to_be_visible()  # no click on the sidebar's tab
+            expect(page.locator('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')).to_have_class(
+                re.compile(r"\blm-mod-current\b"))
+            browser.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # one Ctrl-C: the demo stops JupyterLab and the broker
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

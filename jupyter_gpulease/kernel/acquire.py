@@ -15,11 +15,27 @@ import time
 from typing import Any
 
 from ..client import BrokerClient, BrokerError, LeaseView
-from ..tables import fmt_duration, fmt_eta
+from ..tables import fmt_duration
 
 
-class LeaseUnavailable(Exception):
-    """No lease: refused by policy, cancelled, or not granted within --wait."""
+class GpuError(Exception):
+    """An error that is no mistake in the magic's arguments (no GPU within --wait, the request cancelled elsewhere,
+    the broker down or refusing): IPython shows its one line, not a traceback. (A mistake in the arguments is
+    IPython's ``UsageError``.)"""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class LeaseUnavailable(GpuError):
+    """No lease: cancelled (by an interrupt elsewhere, the sidebar, ``gpulease cancel``) or not granted within
+    --wait."""
+
+
+def gpu_error(ename: str, message: str) -> GpuError:
+    """A ``GpuError`` under the name a notebook shows as the error's type (``BrokerUnreachable``, ``LeaseRefused``)."""
+    cls: type[GpuError] = type(ename, (GpuError,), {"__module__": "gpu"})
+    return cls(message)
 
 
 class QueueCancelled(KeyboardInterrupt):
@@ -63,9 +79,12 @@ class WaitDisplay:
             self.widget = None
 
     def update(self, lease: LeaseView, waited: float) -> None:
-        est = lease.estimated_start
-        eta = f", estimated start in {fmt_eta(est, lease.estimated_start_range, time.time())}" if est else ""
-        text = f"⏳ {self.label}: queued, position {lease.position or '?'}, waited {fmt_duration(waited)}{eta}"
+        # the broker's words for why it waits and when it may start (the lease view's ``wait.text`` and
+        # ``estimate_text``): shown as they are, never re-derived here; an older broker's view has neither
+        why = (lease.get("wait") or {}).get("text")
+        est = lease.get("estimate_text")
+        text = (f"⏳ {self.label}: queued, position {lease.position or '?'}, waited {fmt_duration(waited)}"
+                + (f", estimated start {est}" if est else "") + (f" · {why}" if why else ""))
         if self.widget is not None:
             self.widget.value = f"<code>{text}</code> <small>(interrupt the kernel to cancel)</small>"
         else:
@@ -208,7 +227,7 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
             raise _interrupted()(f"{label.split()[0]}: cancelled after {fmt_duration(time.monotonic() - start)} "
                                  f"in the queue{where}") from None
         if not lease.holding:
-            raise LeaseUnavailable(f"Lease {lease.id} ended while queued: {lease.state} ({lease.reason})")
+            raise LeaseUnavailable(f"lease {lease.id} ended while queued: {ended_text(lease)}")
         granted = True
         return lease
     finally:
@@ -217,6 +236,15 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
         if not granted:
             release_quietly(client, lease.id, "cancelled")
             HOLDINGS.discard(lease.id)
+
+
+def ended_text(lease: LeaseView) -> str:
+    """Why a lease ended, in the broker's words (the view's ``reason_text``); from an older broker, its state and
+    reason slug ("cancelled", "revoked (idle)")."""
+    text = lease.get("reason_text")
+    if text:
+        return str(text)
+    return lease.state if lease.reason in ("", lease.state) else f"{lease.state} ({lease.reason})"
 
 
 def release_quietly(client: BrokerClient, lease_id: str, reason: str = "released") -> LeaseView | None:

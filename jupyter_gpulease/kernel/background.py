@@ -32,8 +32,9 @@ class BackgroundJobs:
     def values(self) -> list[BackgroundJob]:
         return list(self.by_name.values())
 
-    def start(self, name: str, shell: Any, run: Callable[[], Outcome], show_summary: bool) -> None:
-        """Run ``run()`` (the cell on its lease) on a thread, its output in the current cell."""
+    def start(self, name: str, shell: Any, run: Callable[[Callable[[str], None]], Outcome], show_summary: bool) -> None:
+        """Run ``run(granted)`` (the cell on its lease) on a thread, its output in the current cell; ``run`` calls
+        ``granted(lease_id)`` once it holds its lease (``%gpu jobs`` shows it while the job runs)."""
         old = self.by_name.get(name)
         if old is not None and old.state in ("queued", "running"):
             raise UsageError(f"%%gpu: a background job named {name!r} is still {old.state}")
@@ -44,7 +45,7 @@ class BackgroundJobs:
             tokens = shell.set_thread_parent(parent) if parent is not None else None
             try:
                 entry.state = "running"
-                outcome = run()
+                outcome = run(lambda lease_id: setattr(entry, "lease_id", lease_id))
                 shell.user_ns.update(outcome.outputs)
                 entry.lease_id, entry.state = outcome.lease.id, "done"
                 if show_summary:
@@ -56,7 +57,8 @@ class BackgroundJobs:
             except BaseException as e:  # report in the launching cell; never kill the kernel's thread silently
                 entry.state, entry.error = "failed", str(e)
                 if show_summary and getattr(e, "outcome", None) is not None:
-                    print(f"[{name}] " + summary_line(e.outcome, failed=e.ename), flush=True)  # type: ignore[attr-defined]
+                    print(f"[{name}] " + summary_line(e.outcome, failed=e.ename,  # type: ignore[attr-defined]
+                                                      not_back=getattr(e, "code_ok", False)), flush=True)
                 text = e._render_traceback_() if hasattr(e, "_render_traceback_") else [f"{type(e).__name__}: {e}"]
                 print(f"[{name}] failed:\n" + "\n".join(text), file=sys.stderr, flush=True)
             finally:

@@ -22,9 +22,7 @@ def free_names(code: str) -> list[str]:
         tree = ast.parse(code)
     except SyntaxError:  # the worker reports it with the cell's own line numbers
         return []
-    nodes = sorted(
-        (n for n in ast.walk(tree) if isinstance(n, ast.Name)), key=lambda n: (n.lineno, n.col_offset)
-    )
+    nodes = sorted(_outer_names(tree), key=lambda n: (n.lineno, n.col_offset))
     bound: set[str] = set()
     for n in ast.walk(tree):  # names bound by imports, defs and classes count as bound
         if isinstance(n, (ast.Import, ast.ImportFrom)):
@@ -37,6 +35,32 @@ def free_names(code: str) -> list[str]:
             first[n.id] = isinstance(n.ctx, ast.Load)
     defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     return [name for name, loaded in first.items() if loaded and name not in bound and name not in defs]
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def _outer_names(node: ast.AST, local: frozenset[str] = frozenset()) -> list[ast.Name]:
+    """The ``Name`` nodes under ``node``, less those a comprehension binds for itself (``[x for x in xs]``: ``x`` is
+    the comprehension's own, ``xs`` the cell's). ``local``: the names the enclosing comprehensions bind."""
+    if isinstance(node, ast.Name):
+        return [] if node.id in local else [node]
+    if isinstance(node, _COMPREHENSIONS):
+        out = _outer_names(node.generators[0].iter, local)  # evaluated in the enclosing scope
+        bound = set(local)
+        for i, gen in enumerate(node.generators):
+            bound.update(n.id for n in ast.walk(gen.target) if isinstance(n, ast.Name))
+            inner = frozenset(bound)
+            if i:
+                out += _outer_names(gen.iter, inner)
+            for cond in gen.ifs:
+                out += _outer_names(cond, inner)
+        inner = frozenset(bound)
+        elts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        for elt in elts:
+            out += _outer_names(elt, inner)
+        return out
+    return [n for child in ast.iter_child_nodes(node) for n in _outer_names(child, local)]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..client import BrokerClient, BrokerError, LeaseView
 from ..executors.base import Sink, Worker, WorkerCrashed
 from ..worker import transfer, vmcopy
 from ..worker.later import later
-from .acquire import HELD, HOLDINGS, Heartbeater, release_quietly
+from .acquire import HELD, HOLDINGS, Heartbeater, ended_text, release_quietly
 from .drive import Sinks, drive
 
 # Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
@@ -43,6 +43,8 @@ class CellError(Exception):
         self.ename, self.evalue, self.traceback_text = ename, evalue, traceback_text
         #: the run so far (lease, wall time, artifacts), for the summary line of a failed cell
         self.outcome: Outcome | None = None
+        #: the cell's code ran to its end; only its results could not come back (an unpicklable ``--out``)
+        self.code_ok = False
 
     def _render_traceback_(self) -> list[str]:
         return self.traceback_text.rstrip("\n").split("\n")
@@ -110,7 +112,9 @@ def job_message(job: Job, env: dict[str, str], oob_dir: str | None, vm: bool = F
 def finish_result(result: dict[str, Any], outcome: Outcome) -> None:
     """Unpack the worker's answer into ``outcome``, or raise the cell's own error."""
     if result["status"] != "ok":
-        raise cell_error(result["ename"], result["evalue"], result["traceback"])
+        err = cell_error(result["ename"], result["evalue"], result["traceback"])
+        err.code_ok = bool(result.get("code_ok"))
+        raise err
     payload = transfer.loads(result["payload"], result["payload"].get("buffers"))
     outcome.outputs, outcome.value = payload["outputs"], payload["value"]
 
@@ -170,11 +174,13 @@ class LeaseRun:
             who = (view.preempted_by or {}).get("user")
             return (f"the lease was preempted by priority class {by!r}" + (f" (user {who})" if who else "")
                     + ": its GPUs went to a higher priority request")
+        if view.get("reason_text"):  # the broker's words
+            return f"the lease was {ended_text(view)}"
         if reason == "over_memory_cap":
             return "the lease used more GPU memory than its share of the GPU allows (over_memory_cap)"
         if reason.startswith("admin:"):
             return f"an admin revoked the lease ({reason[6:]})"
-        return f"the lease was {state} ({reason})"
+        return f"the lease was {ended_text(view)}"
 
     def _view(self) -> LeaseView | None:
         try:
@@ -231,7 +237,11 @@ class LeaseRun:
         msg: dict[str, Any] | None = None
         reaped = False
         try:
-            msg = job_message(job, {**self.env(), **(env or {})}, oob_dir, worker.local and vmcopy.usable())
+            try:
+                msg = job_message(job, {**self.env(), **(env or {})}, oob_dir, worker.local and vmcopy.usable())
+            except transfer.TransferError as e:  # an unpicklable input: one line naming it, not our frames
+                self.status = "error"
+                raise self._failed(cell_error("TransferError", str(e), f"TransferError: {e}"), outcome, t0) from None
             msg["artifacts_mode"] = self.artifacts.mode  # the worker makes the lease's directory so
             msg.update(extra or {})
             try:
@@ -365,8 +375,9 @@ class LeaseRun:
             print(f"gpulease: could not write artifacts to {self.artifacts.url}: {e}", file=sys.stderr)
 
 
-def summary_line(outcome: Outcome, failed: str = "") -> str:
-    """The one line after a cell: lease, GPUs, wall time, time queued, artifacts. ``failed``: the error's type."""
+def summary_line(outcome: Outcome, failed: str = "", not_back: bool = False) -> str:
+    """The one line after a cell: lease, GPUs, wall time, time queued, artifacts. ``failed``: the error's type;
+    ``not_back``: the cell's code succeeded but its results could not come back (the error says which)."""
     from ..tables import fmt_duration
 
     lease = outcome.lease
@@ -375,7 +386,12 @@ def summary_line(outcome: Outcome, failed: str = "") -> str:
     frac = lease.fraction or 1.0
     n = f"{frac:g} GPU" if frac < 1 else f"{len(devs)} GPU{'s' if len(devs) != 1 else ''}"
     sim = " (simulated)" if lease.simulated else ""
-    ran = f"failed ({failed}) after {fmt_duration(outcome.wall)}" if failed else f"ran {fmt_duration(outcome.wall)}"
+    if not_back:
+        ran = f"ran {fmt_duration(outcome.wall)}, results not brought back"
+    elif failed:
+        ran = f"failed ({failed}) after {fmt_duration(outcome.wall)}"
+    else:
+        ran = f"ran {fmt_duration(outcome.wall)}"
     return (f"gpulease: lease {lease.id} · {n} [{what}]{sim} · {ran} · "
             f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}") + memory_hint(outcome)
 

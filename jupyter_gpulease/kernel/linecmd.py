@@ -1,4 +1,4 @@
-"""The ``%gpu`` line magic's commands: status, leases, queue, release, sessions, artifacts, jobs, notify."""
+"""The ``%gpu`` line magic's commands: status, leases, queue, quota, release, sessions, artifacts, jobs, notify."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ from IPython.core.error import UsageError
 from .. import artifacts
 from ..client import BrokerError, BrokerUnreachable
 from ..notify import notify, notify_text
-from ..tables import fmt_duration, leases_table, queue_table, status_text, table
+from ..tables import fmt_duration, leases_table, queue_table, quota_table, status_text, table
+from .acquire import gpu_error
 
 LINE_COMMANDS = """
-Line magic: %gpu status | leases [N] | queue | release ID | sessions | session stop|park NAME
+Line magic: %gpu status | leases [N] | queue | quota | release ID | sessions | session stop|park NAME
             | artifacts [N] | jobs | notify [show | on | off | KIND[,KIND]]
 """
 
 
 def line_command(magics: Any, line: str) -> Any:
-    """``%gpu CMD ...``: status, leases, queue, release, sessions, artifacts, jobs, notify."""
+    """``%gpu CMD ...``: status, leases, queue, quota, release, sessions, artifacts, jobs, notify."""
     words = line.split()
     cmd, rest = (words[0], words[1:]) if words else ("status", [])
     try:
@@ -32,6 +33,8 @@ def line_command(magics: Any, line: str) -> Any:
         elif cmd == "queue":
             q = magics.client.queue()
             print(queue_table(q) if q else "The queue is empty.")
+        elif cmd == "quota":  # what is left of each limit and budget that applies to me, and when it refills
+            print(quota_table(magics.client.quota()))
         elif cmd == "release" and rest:
             for lease_id in rest:
                 magics.client.release(lease_id, "released with the line magic gpu release")
@@ -56,7 +59,9 @@ def line_command(magics: Any, line: str) -> Any:
             print(table(["JOB", "STATE", "LEASE", "AGE", "ERROR"], rows) if rows else "No background jobs.")
         else:
             raise UsageError(f"%gpu: unknown command {line.strip()!r}.{LINE_COMMANDS}")
-    except (BrokerError, BrokerUnreachable, KeyError, ValueError) as e:
+    except BrokerUnreachable as e:  # not a mistake in the command: one line of its own
+        raise gpu_error("BrokerUnreachable", f"%gpu {cmd}: {e}") from None
+    except (BrokerError, KeyError, ValueError) as e:
         why = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is quoted
         raise UsageError(f"%gpu {cmd}: {why}") from None
     return None

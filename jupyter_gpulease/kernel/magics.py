@@ -7,6 +7,7 @@ Options are traitlets: ``c.GpuMagics.preload = ["numpy", "torch"]`` and so on.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -27,7 +28,7 @@ from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
 from ..worker import reserve
 from ..worker.later import later
-from .acquire import HOLDINGS, Heartbeater, LeaseUnavailable, acquire
+from .acquire import HOLDINGS, Heartbeater, LeaseUnavailable, acquire, gpu_error
 from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
@@ -195,7 +196,7 @@ class GpuMagics(Magics):
         """Run this cell on leased GPUs, in a worker that sees only them; release them when it ends."""
         if cell is None:
             return line_command(self, line)
-        args = parse_argstring(self.gpu, negative_values(line))
+        args = parse_options(self.gpu, negative_values(line))
         opts = self._options(args)
         if not cell.strip():
             raise UsageError("%%gpu: the cell is empty")
@@ -211,10 +212,11 @@ class GpuMagics(Magics):
         if args.session:
             sel.unknown = []  # names the cell uses may live in the session's worker
         if sel.note():
-            print(sel.note(), file=sys.stderr)
+            print(sel.note())  # a note, not an error: stdout (stderr shows as an error in a notebook)
         job = Job("cell", cell, self._cell_name(), sel.send, _names(args.out), header=f"%%gpu {line}".rstrip())
         if args.bg:
-            return self.jobs.start(args.bg, self._sh, lambda: self._once(opts, job), self.show_summary)
+            return self.jobs.start(args.bg, self._sh, lambda granted: self._once(opts, job, granted=granted),
+                                   self.show_summary)
         try:
             if args.session:
                 outcome = self._in_session(args.session, opts, job)
@@ -222,7 +224,7 @@ class GpuMagics(Magics):
                 outcome = self._once(opts, job)
         except CellError as e:  # a failed cell also says where it ran and where its log is
             if self.show_summary and e.outcome is not None:
-                print(summary_line(e.outcome, failed=e.ename))
+                print(summary_line(e.outcome, failed=e.ename, not_back=e.code_ok))
             raise
         self._sh.user_ns.update(outcome.outputs)
         if self.show_summary:
@@ -252,6 +254,9 @@ class GpuMagics(Magics):
         if args.session and args.bg:
             raise UsageError("%%gpu: --session and --bg cannot be combined")
         labels = {"source": "%%gpu", "cell": self._cell_name().strip("<>")}
+        cell_id = _front_end_cell_id(self._sh)
+        if cell_id:
+            labels["cell_id"] = cell_id  # the sidebar's "Open notebook" selects this cell, not a stale In[n]
         if args.bg:
             labels["bg"] = args.bg  # the broker tells its owner when it ends (gpulease notify: bg)
         if os.environ.get("JPY_SESSION_NAME"):
@@ -265,12 +270,23 @@ class GpuMagics(Magics):
         t0 = time.monotonic()
         try:
             lease = acquire(self.client, opts["request"], opts["wait"], f"%%gpu {opts['gpus']}")
-        except (BrokerError, BrokerUnreachable, LeaseUnavailable, ValueError) as e:  # ValueError: the broker URL
+        except LeaseUnavailable as e:  # cancelled elsewhere, or --wait ran out: no mistake in the arguments
+            raise type(e)(f"%%gpu: {e}") from None
+        except BrokerUnreachable as e:
+            raise gpu_error("BrokerUnreachable", f"%%gpu: {e}") from None
+        except BrokerError as e:
+            if e.status == 400:  # the broker refused what the arguments ask for (more GPUs than exist, no such type)
+                raise UsageError(f"%%gpu: {e}") from None
+            raise gpu_error("LeaseRefused", f"%%gpu: {e}") from None
+        except ValueError as e:  # the broker's address (GPULEASE_BROKER, GpuMagics.broker_url)
             raise UsageError(f"%%gpu: {e}") from None
         return lease, time.monotonic() - t0
 
-    def _once(self, opts: dict[str, Any], job: Job, sinks: Any = None) -> Any:
+    def _once(self, opts: dict[str, Any], job: Job, sinks: Any = None, granted: Any = None) -> Any:
+        """Run ``job`` on a lease of its own; ``granted(lease_id)`` is called once the lease is held."""
         lease, queued = self._acquire(opts)
+        if granted is not None:
+            granted(lease.id)
         run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued, self.artifacts_group_readable)
         try:
             worker = self._start_worker(lease)
@@ -286,12 +302,12 @@ class GpuMagics(Magics):
                 pass
             if s.find_parked() is None:
                 print(f"gpulease: session {name!r} ended ({s.ended_reason or 'worker gone'}); starting a new one — "
-                      "its variables are gone", file=sys.stderr)
+                      "its variables are gone")
                 self.sessions.discard(name)
                 s = None
             else:
                 print(f"gpulease: session {name!r} was parked in host memory ({s.describe_parked()}); "
-                      "getting a GPU for it again", file=sys.stderr)
+                      "getting a GPU for it again")
                 s.resume(*self._session_lease(opts))
                 self._beat_for(s)
         if s is None:
@@ -385,12 +401,41 @@ def negative_values(line: str) -> str:
     return _NEGATIVE.sub(r"\1=\2", line)
 
 
+def parse_options(magic: Any, line: str, name: str = "%%gpu") -> Any:
+    """The magic's arguments; a mistake is a one-line ``UsageError`` that names the magic and, for a misspelt
+    option, suggests the nearest one (``%%gpu: unknown option --tiem (did you mean --time?)``)."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as e:
+        text = str(e)
+        if text.startswith("unrecognized arguments:"):
+            known = [o for o in magic.parser._option_string_actions if o.startswith("--")]
+            unknown = [w.split("=", 1)[0] for w in text.split(":", 1)[1].split() if w.startswith("-")]
+            if unknown:
+                near = [difflib.get_close_matches(w, known, n=1, cutoff=0.75) for w in unknown]
+                text = "; ".join(f"unknown option {w}" + (f" (did you mean {m[0]}?)" if m else "")
+                                 for w, m in zip(unknown, near, strict=True))
+                if not any(near):
+                    text += f". Options: {', '.join(sorted(known))}"
+        raise UsageError(f"{name}: {text}") from None
+
+
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for n in names:
         if not n.isidentifier():
             raise ValueError(f"invalid variable name {n!r}")
     return names
+
+
+def _front_end_cell_id(shell: Any) -> str:
+    """The id of the notebook cell being run, as JupyterLab sends it (the execute request's ``metadata.cellId``);
+    "" outside a front end that sends one."""
+    get_parent = getattr(shell, "get_parent", None)
+    parent = get_parent() if callable(get_parent) else None
+    metadata = parent.get("metadata") if isinstance(parent, dict) else None
+    cell_id = metadata.get("cellId") if isinstance(metadata, dict) else None
+    return cell_id[:200] if isinstance(cell_id, str) else ""
 
 
 GpuMagics.gpu.__doc__ = (GpuMagics.gpu.__doc__ or "") + LINE_COMMANDS

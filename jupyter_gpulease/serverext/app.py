@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, Integer, Unicode, default, validate
 
-from gpulease_protocol.address import broker_url, per_user_socket
+from gpulease_protocol.address import broker_url, check_broker_url, per_user_socket
 
 from ..artifacts import default_root
 from ..client import BrokerClient, BrokerError
 from .embedded import EmbeddedBroker
 from .handlers import default_handlers
+
+T = TypeVar("T")
 
 
 class GpuLease(ExtensionApp):
@@ -99,6 +102,7 @@ class GpuLease(ExtensionApp):
     # ------------------------------------------------------------------ wiring
     def initialize_settings(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpulease")
+        self.stopping = False  # set by stop_extension: the server is shutting down (its kernels are still stopping)
         self.embedded: EmbeddedBroker | None = None
         self._env_before: str | None = os.environ.get("GPULEASE_BROKER")
         self._env_set = False
@@ -120,10 +124,12 @@ class GpuLease(ExtensionApp):
             client.close()
 
     def _resolve_broker(self) -> str:
+        where = "GpuLease.broker_url" if self.broker_url else "GPULEASE_BROKER"
         configured = self.broker_url or os.environ.get("GPULEASE_BROKER", "")
         if configured:
-            self.log.info("GPU lease broker: %s (configured)", configured)
-            return configured
+            url = check_broker_url(configured, where)  # the one written form (a bare socket path too)
+            self.log.info("GPU lease broker: %s (configured)", url)
+            return url
         embedded_url = "unix://" + self.embedded_socket
         for url in dict.fromkeys([broker_url(), embedded_url]):
             if self._answers(url):
@@ -146,8 +152,14 @@ class GpuLease(ExtensionApp):
         self._env_set = True
 
     async def broker_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: self.client.request(method, path, body))
+        return await self.in_thread(lambda: self.client.request(method, path, body))
+
+    async def in_thread(self, work: Callable[[], T]) -> T:
+        """Run blocking work on the extension's threads. Once the extension is stopped (its threads shut down) the
+        server still answers its open keep-alive connections (a browser's sidebar) until its kernels have stopped:
+        that work runs on the event loop's own threads, not into "cannot schedule new futures after shutdown"."""
+        executor = None if self.stopping else self.executor
+        return await asyncio.get_running_loop().run_in_executor(executor, work)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -158,6 +170,7 @@ class GpuLease(ExtensionApp):
         }
 
     async def stop_extension(self) -> None:
+        self.stopping = True
         if self.embedded is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.embedded.stop)
             atexit.unregister(self.embedded.stop)

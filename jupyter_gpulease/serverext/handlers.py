@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from concurrent.futures import Executor
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlencode
 
 from jupyter_core.utils import ensure_async
@@ -18,15 +18,18 @@ from ..client import BrokerError
 from .artifacts import recent_artifacts
 from .relay import connect_events
 
+T = TypeVar("T")
+
 
 class GpuLease(Protocol):
     """What the handlers use of the extension (``app.GpuLease``, in ``settings["gpulease_app"]``)."""
 
     broker_url: str
     artifact_root: str
-    executor: Executor  # threads for blocking work (listing artifacts)
 
     async def broker_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]: ...
+
+    async def in_thread(self, work: Callable[[], T]) -> T: ...  # blocking work (broker calls, listing artifacts)
 
     def status(self) -> dict[str, Any]: ...
 
@@ -149,9 +152,8 @@ class ArtifactsHandler(GpuLeaseHandler):
             raise web.HTTPError(400, f"Invalid limit={self.get_query_argument('limit')!r}: give a count",
                                 reason="bad_request") from None
         root_dir = self.settings.get("server_root_dir") or os.getcwd()
-        data = await asyncio.get_running_loop().run_in_executor(
-            self.gl.executor, recent_artifacts, self.gl.artifact_root, root_dir, max(0, min(limit, 200))
-        )
+        data = await self.gl.in_thread(
+            lambda: recent_artifacts(self.gl.artifact_root, root_dir, max(0, min(limit, 200))))
         self.reply(data)
 
 

@@ -127,6 +127,6 @@ def restore(to: str) -> dict[str, Any]:
         raise RestoreError(f"could not load the session's parked variables: {type(e).__name__}: {e}") from e
     n, size = len(values), manifest["nbytes"]
     size_text = f"{size / (1 << 30):.1f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
-    sys.stderr.write(f"gpulease: the session's {n} parked variable{'s' if n != 1 else ''} ({size_text}) are back, "
+    sys.stdout.write(f"gpulease: the session's {n} parked variable{'s' if n != 1 else ''} ({size_text}) are back, "
                      f"in {time.monotonic() - t0:.2f} s\n")
     return values

@@ -227,7 +227,11 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, reserve: A
         if missing:
             raise NameError(f"--out names the cell did not define: {', '.join(missing)}")
         outputs = {n: ns[n] for n in job.get("out", [])}
-        packed = transfer.dumps_named({"outputs": outputs, "value": value}, job.get("oob_dir"), bool(job.get("vm")))
+        try:
+            packed = transfer.dumps_result(outputs, value, job.get("oob_dir"), bool(job.get("vm")))
+        except transfer.TransferError as e:  # the cell's code succeeded: one line naming the value, no frames
+            return {"type": "result", "status": "error", "ename": "TransferError", "evalue": str(e),
+                    "traceback": f"TransferError: {e}\n", "code_ok": True, "elapsed": time.monotonic() - started}
         return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started,
                 "versions": transfer.versions()}
     except BaseException as e:  # the user's error, KeyboardInterrupt included: report, never crash

@@ -303,6 +303,26 @@ def dumps_named(values: dict[str, Any], directory: str | None = None, vm: bool =
         raise TransferError(f"Cannot send values {sorted(values)}: {e}") from None
 
 
+def dumps_result(outputs: dict[str, Any], value: Any, directory: str | None = None, vm: bool = False) -> dict[str, Any]:
+    """dumps() a cell's ``--out`` values and its value together; on failure, a ``TransferError`` that names the
+    user's variable (or the cell's value) and its type, never the wrapper dict this packs them in."""
+    try:
+        return dumps({"outputs": outputs, "value": value}, directory, vm)
+    except Exception as e:
+        import cloudpickle
+
+        named = [(f"--out {name}", v) for name, v in outputs.items()] + [("the cell's value (its last line)", value)]
+        for what, v in named:
+            try:
+                cloudpickle.dumps(v, protocol=5)
+            except Exception as inner:
+                raise TransferError(
+                    f"{what} (type {type(v).__module__}.{type(v).__qualname__}) cannot be brought back to the "
+                    f"kernel: {inner}"
+                ) from None
+        raise TransferError(f"the cell's results cannot be brought back to the kernel: {e}") from None
+
+
 def approx_size(value: Any, limit: int) -> int:
     """A cheap upper-ish estimate of a value's payload, to guard --in auto against huge captures."""
     nbytes = getattr(value, "nbytes", None)

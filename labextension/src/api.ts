@@ -116,6 +116,12 @@ export interface ILease {
   /** A queued lease's likely start (epoch seconds), and [low, high] when the broker says how unsure it is. */
   estimated_start: number | null;
   estimated_start_range?: [number, number] | null;
+  /** The broker's words for a queued lease's start ("in 1–3 min", "unknown"): shown as is, never re-derived. */
+  estimate_text?: string | null;
+  /** Why a queued lease waits, in the broker's words (`reason` a slug for scripts). */
+  wait?: IWait | null;
+  /** Why an ended lease ended, as a sentence ("revoked: idle for 10 min while others waited"). */
+  reason_text?: string | null;
   min_gpus: number;
   max_gpus: number;
   fraction: number;
@@ -159,6 +165,17 @@ export interface IQueueEntry {
   waited_seconds: number;
   estimated_start: number | null;
   estimated_start_range?: [number, number] | null;
+  /** The broker's words for the start estimate ("in 1–3 min", "unknown"). */
+  estimate_text?: string | null;
+  /** Why it waits, in the broker's words. */
+  wait?: IWait | null;
+}
+
+/** Why a queued request waits: a slug (gpus_busy, quota, budget, reservation, whole_node, no_gpu_type, fair_share,
+ * priority, queue) and the broker's words for it. */
+export interface IWait {
+  reason: string;
+  text: string;
 }
 
 export interface IArtifact {

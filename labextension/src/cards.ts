@@ -1,51 +1,68 @@
 /** The GPU cards of the sidebar: what a GPU is doing and for whom, with a live chart of the last minutes. */
 
-import { IGpu, ILeaseUsage } from './api';
+import { IGpu, ILease, ILeaseUsage } from './api';
 import { gpuChart } from './chart';
-import { formatBytes, formatDuration, h } from './format';
+import { counter, formatBytes, formatDuration, h, plural } from './format';
 import { gpuKind } from './gputype';
 import { GpuLeaseModel } from './model';
 
-/** How a GPU card reads at a glance. */
-export function gpuStatus(model: GpuLeaseModel, gpu: IGpu): { kind: string; text: string } {
+/** An idle countdown only for a lease that can go idle: the broker gives no deadline while it is busy, and none is
+ * shown while a cell of the lease runs (its worker attached) whatever the last view said. */
+export function showsIdleCountdown(l: ILease): boolean {
+  return !!l.idle_deadline && !(l.pids?.length > 0);
+}
+
+/** A piece of a card's state: words, or a countdown to an epoch followed by words (" left"). */
+type Piece = string | { until: number; then: string };
+
+/** How a GPU card reads at a glance: its kind (the card's `data-state`) and its words, with live countdowns. */
+export function gpuStatus(model: GpuLeaseModel, gpu: IGpu): { kind: string; text: string; pieces: Piece[] } {
   const now = model.now();
+  const st = (kind: string, ...pieces: Piece[]) => ({
+    kind,
+    pieces,
+    text: pieces.map(p => (typeof p === 'string' ? p : `${formatDuration(p.until - now)}${p.then}`)).join('')
+  });
   const mine = gpu.holders.filter(x => x.mine);
+  if (model.connection === 'unreachable') {
+    // the last state fetched is not what the GPU does now: say nothing we do not know
+    return st('unknown', 'unknown: broker unreachable');
+  }
   if (gpu.state === 'unhealthy') {
-    return { kind: 'unhealthy', text: 'unhealthy' };
+    return st('unhealthy', 'unhealthy');
   }
   if (gpu.state === 'draining') {
-    return { kind: 'draining', text: 'draining' };
+    return st('draining', 'draining');
   }
   if (gpu.state === 'reserved') {
     const r = gpu.reservation;
     if (!r) {
-      return { kind: 'reserved', text: 'reserved' };
+      return st('reserved', 'reserved');
     }
     const who = r.user ? (r.user === model.info?.user?.name ? 'you' : r.user) : `@${r.group}`;
-    return { kind: 'reserved', text: `reserved for ${who} · ${formatDuration(r.end - now)} left` };
+    return st('reserved', `reserved for ${who} · `, { until: r.end, then: ' left' });
   }
   if (gpu.state === 'shared') {
     const users = [...new Set(gpu.holders.map(x => (x.mine ? 'you' : x.user)))].join(', ');
-    return {
-      kind: mine.length ? 'shared-mine' : 'shared',
-      text: `shared: ${gpu.holders.length} share${gpu.holders.length === 1 ? '' : 's'} (${users})`
-    };
+    return st(mine.length ? 'shared-mine' : 'shared', `shared: ${plural(gpu.holders.length, 'share')} (${users})`);
   }
   if (gpu.state === 'leased') {
     if (mine.length) {
-      const lease = model.leases.find(l => l.id === mine[0].lease_id);
-      const parts = ['yours'];
-      if (mine[0].expires_at) {
-        parts.push(`${formatDuration(mine[0].expires_at - now)} left`);
+      const lease: ILease | undefined = model.leases.find(l => l.id === mine[0].lease_id);
+      const pieces: Piece[] = ['yours'];
+      // the lease's own end (as its row in "Your leases" counts it), the holder's when the lease is not listed
+      const end = lease?.expires_at ?? mine[0].expires_at;
+      if (end) {
+        pieces.push(' · ', { until: end, then: ' left' });
       }
-      if (lease?.idle_deadline) {
-        parts.push(`idle in ${formatDuration(lease.idle_deadline - now)}`);
+      if (lease && showsIdleCountdown(lease)) {
+        pieces.push(' · idle in ', { until: lease.idle_deadline as number, then: '' });
       }
-      return { kind: 'yours', text: parts.join(' · ') };
+      return st('yours', ...pieces);
     }
-    return { kind: 'held', text: `held by ${gpu.holders.map(x => x.user).join(', ')}` };
+    return st('held', `held by ${gpu.holders.map(x => x.user).join(', ')}`);
   }
-  return { kind: gpu.state, text: gpu.state };
+  return st(gpu.state, gpu.state);
 }
 
 /** One GPU's card. */
@@ -62,7 +79,11 @@ export function gpuCard(model: GpuLeaseModel, g: IGpu): HTMLElement {
       g.simulated ? h('span', { class: 'jp-GpuLease-badge jp-GpuLease-simulated' }, 'simulated') : null
     ),
     h('div', { class: 'jp-GpuLease-kind', 'data-mig': g.mig ? 'true' : 'false' }, gpuKind(g)),
-    h('div', { class: 'jp-GpuLease-state' }, st.text),
+    h(
+      'div',
+      { class: 'jp-GpuLease-state' },
+      st.pieces.flatMap(p => (typeof p === 'string' ? [p] : [counter('until', p.until, model.now()), p.then]))
+    ),
     figures(g),
     chart(model, g)
   );

@@ -54,63 +54,39 @@ export function h(
   return el;
 }
 
-/** A wait as a user reads an estimate: whole minutes, then hours, then days (one decimal below 10). */
-function about(seconds: number): [string, string] {
-  for (const [unit, size, start] of [['d', 86400, 2 * 86400], ['h', 3600, 3570]] as [string, number, number][]) {
-    if (seconds >= start) {
-      const x = seconds / size;
-      return [x < 10 ? String(Math.round(x * 10) / 10) : x.toFixed(0), unit];
-    }
+/** "1 GPU", "2 GPUs", "0.5 GPU" (a fraction of one): a count with its noun, singular or plural. */
+export function plural(n: number, noun: string, nouns = `${noun}s`): string {
+  return `${n} ${n === 1 || (n > 0 && n < 1) ? noun : nouns}`;
+}
+
+/** What a request asks for: "1 GPU", "2 GPUs", "1–4 GPUs", "0.25 GPU" (a share of one). */
+export function gpusWanted(r: { fraction: number; min_gpus: number; max_gpus: number }): string {
+  if (r.fraction < 1) {
+    return plural(r.fraction, 'GPU');
   }
-  return [String(Math.max(1, Math.round(seconds / 60))), 'min'];
+  return r.min_gpus === r.max_gpus ? plural(r.min_gpus, 'GPU') : `${r.min_gpus}–${r.max_gpus} GPUs`;
 }
 
 /**
- * When a queued request will likely start (broker epoch seconds): "~3 min", a range "~1–4 min" when the broker
- * is unsure (its `estimated_start_range`), "under a minute". As the kernel and the CLI say it.
+ * What the sidebar says of a queued request beside its wait: the broker's start estimate ("start: in 1–3 min") and
+ * why it waits, each in the broker's words as they come (nothing when the broker does not say).
  */
-export function formatEta(start: number, range: number[] | null | undefined, now: number): string {
-  const likely = Math.max(0, start - now);
-  const [low, high] = range ? [Math.max(0, range[0] - now), Math.max(0, range[1] - now)] : [likely, likely];
-  if (high < 60) {
-    return 'under a minute';
+export function waitWords(e: { estimate_text?: string | null; wait?: { text?: string } | null }): string[] {
+  const words: string[] = [];
+  if (e.estimate_text) {
+    words.push(`start: ${e.estimate_text}`);
   }
-  let [lo, loUnit] = about(low);
-  const [hi, hiUnit] = about(high);
-  if (high <= 1.25 * Math.max(low, 60) || (lo === hi && loUnit === hiUnit)) {
-    const [value, unit] = about(!range || (low <= likely && likely <= high) ? likely : high);
-    return `~${value} ${unit}`;
+  if (e.wait?.text) {
+    words.push(e.wait.text);
   }
-  if (low < 60) {
-    [lo, loUnit] = ['0', hiUnit];
-  }
-  return loUnit === hiUnit ? `~${lo}–${hi} ${hiUnit}` : `~${lo} ${loUnit}–${hi} ${hiUnit}`;
+  return words;
 }
 
-type CounterKind = 'since' | 'until' | 'eta';
+type CounterKind = 'since' | 'until';
 
-/** The time between now and `epoch`, counting up (`since`) or down (`until`, `eta`: as an estimate). */
-function counted(kind: CounterKind, epoch: number, now: number, el?: HTMLElement): string {
-  if (kind === 'eta') {
-    const low = el?.dataset.low;
-    return formatEta(epoch, low ? [Number(low), Number(el?.dataset.high)] : null, now);
-  }
+/** The time between now and `epoch`, counting up (`since`) or down (`until`). */
+function counted(kind: CounterKind, epoch: number, now: number): string {
   return formatDuration(kind === 'since' ? now - epoch : epoch - now);
-}
-
-/** An estimated start that stays current ("~1–4 min", `formatEta`), counting down like `counter`. */
-export function etaCounter(start: number, range: number[] | null | undefined, now: number): HTMLElement {
-  return h(
-    'span',
-    {
-      class: 'jp-GpuLease-counter jp-GpuLease-eta',
-      'data-count': 'eta',
-      'data-epoch': start,
-      'data-low': range ? range[0] : null,
-      'data-high': range ? range[1] : null
-    },
-    formatEta(start, range, now)
-  );
 }
 
 /**
@@ -127,8 +103,8 @@ export function counter(kind: 'since' | 'until', epoch: number, now: number, cls
 
 export function tickCounters(root: HTMLElement, now: number): void {
   for (const el of root.querySelectorAll<HTMLElement>('[data-count]')) {
-    const kind: CounterKind = el.dataset.count === 'since' ? 'since' : el.dataset.count === 'eta' ? 'eta' : 'until';
-    const text = counted(kind, Number(el.dataset.epoch), now, el);
+    const kind: CounterKind = el.dataset.count === 'since' ? 'since' : 'until';
+    const text = counted(kind, Number(el.dataset.epoch), now);
     if (el.textContent !== text) {
       el.textContent = text;
     }

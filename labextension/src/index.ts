@@ -1,5 +1,6 @@
 import {
   ILabShell,
+  ILayoutRestorer,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
@@ -48,13 +49,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-gpulease:plugin',
   description: 'GPUs, queue, leases and artifacts of the GPU lease broker, in the left sidebar',
   autoStart: true,
-  optional: [ILabShell, IStatusBar, ISettingRegistry, ICommandPalette],
+  optional: [ILabShell, IStatusBar, ISettingRegistry, ICommandPalette, ILayoutRestorer],
   activate: (
     app: JupyterFrontEnd,
     labShell: ILabShell | null,
     statusBar: IStatusBar | null,
     settingRegistry: ISettingRegistry | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    restorer: ILayoutRestorer | null
   ) => {
     const model = new GpuLeaseModel();
 
@@ -71,6 +73,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     const panel = new GpuLeasePanel(model, openArtifact);
     app.shell.add(panel, 'left', { rank: 800 });
+    // the workspace remembers whether the panel was open (`make demo` writes one with it open)
+    restorer?.add(panel, PANEL_ID);
 
     app.commands.addCommand(OPEN_COMMAND, {
       label: 'Show GPU leases',
@@ -91,6 +95,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
       notifier.followSettings(settingRegistry, plugin.id).catch(error => {
         console.warn('jupyter-gpulease: settings not loaded, every notification is on', error);
       });
+      // the panel open at start (the demo's choice): once the workspace's layout is restored, or it would win
+      Promise.all([settingRegistry.load(plugin.id), app.restored])
+        .then(([settings]) => {
+          if (settings.get('openAtStart').composite === true) {
+            app.shell.activateById(PANEL_ID);
+          }
+        })
+        .catch(error => console.warn('jupyter-gpulease: the GPU panel is not opened at start', error));
     }
     app.commands.addCommand(DESKTOP_COMMAND, {
       label: 'Allow GPU lease desktop notifications',

@@ -4,7 +4,7 @@
  */
 
 import { IEvent, ILease } from './api';
-import { formatClock, formatDuration } from './format';
+import { formatClock, formatDuration, plural } from './format';
 
 /** The kinds you can turn off one by one in the settings (schema/plugin.json). */
 export type NoticeKind = 'granted' | 'background' | 'preemption' | 'warning' | 'revoked';
@@ -31,6 +31,8 @@ export interface INotice {
   notebook: string | null;
   /** The kernel's name of the cell ("gpu In[3]"), when known. */
   cell: string | null;
+  /** The id of the notebook cell that ran (the `cell_id` label, from the front end's execute request), when known. */
+  cellId?: string | null;
   /** For warnings: 'idle' (answered by "Keep it") or 'expiry' (answered by "Extend…"). */
   warning?: string;
 }
@@ -72,9 +74,27 @@ export function whereOf(labels: Record<string, string> | undefined): string {
 
 function gpusOf(lease: ILease): string {
   const devices = lease.devices ?? [];
-  const n = devices.length;
   const which = devices.map(d => (d.node ? `${d.node}/${d.index}` : `${d.index}`)).join(', ');
-  return `${n} GPU${n === 1 ? '' : 's'}${which ? ` (${which})` : ''}`;
+  return `${plural(devices.length, 'GPU')}${which ? ` (${which})` : ''}`;
+}
+
+const END_WORDS = /^(released|cancelled|expired|revoked|preempted|failed)\b/i;
+
+/**
+ * What happened to a lease that ended, after its name: "was revoked: idle for 10 min while others waited", the
+ * broker's `reason_text` as it comes; without one, a reason a person or a kernel wrote ("was released (cell
+ * finished)"), never a bare code (`idle_pressure`: kept in `reason` for scripts, not told to people).
+ */
+export function endedWords(change: string, lease: Pick<ILease, 'reason' | 'reason_text'>): string {
+  const text = (lease.reason_text ?? '').trim().replace(/\.$/, '');
+  if (text) {
+    if (/^ended\b/i.test(text)) {
+      return text;
+    }
+    return END_WORDS.test(text) ? `was ${text}` : `was ${change}: ${text}`;
+  }
+  const reason = (lease.reason ?? '').trim();
+  return reason && !/^[a-z0-9_.:-]+$/.test(reason) ? `was ${change} (${reason})` : `was ${change}`;
 }
 
 function leaseNotice(event: IEvent): INotice | null {
@@ -86,8 +106,13 @@ function leaseNotice(event: IEvent): INotice | null {
   const labels = lease.labels ?? {};
   const where = whereOf(labels);
   const notebook = labels.notebook || null;
-  const base = { leaseId: lease.id, notebook, cell: labels.cell || null, slot: `${lease.id}:end` };
-  const reason = lease.reason ? ` (${lease.reason})` : '';
+  const base = {
+    leaseId: lease.id,
+    notebook,
+    cell: labels.cell || null,
+    cellId: labels.cell_id || null,
+    slot: `${lease.id}:end`
+  };
 
   if (change === 'granted' && event.previous === 'queued' && lease.granted_at) {
     const waited = lease.granted_at - (lease.created_at ?? lease.granted_at);
@@ -118,8 +143,8 @@ function leaseNotice(event: IEvent): INotice | null {
       level: finished ? 'success' : 'error',
       title: `Background cell ${bg} ${finished ? 'finished' : change}`,
       text: finished
-        ? `Background cell ${bg}${inNotebook} finished: lease ${lease.id} released${reason}.`
-        : `Background cell ${bg}${inNotebook} stopped: lease ${lease.id} was ${change}${reason}.`
+        ? `Background cell ${bg}${inNotebook} finished: lease ${lease.id} ${endedWords(change, lease)}.`
+        : `Background cell ${bg}${inNotebook} stopped: lease ${lease.id} ${endedWords(change, lease)}.`
     };
   }
   if (ENDED.has(change)) {
@@ -129,7 +154,7 @@ function leaseNotice(event: IEvent): INotice | null {
       key: `${lease.id}:ended`,
       level: 'error',
       title: `GPU lease ${lease.id} ${change}`,
-      text: `Your GPU lease ${lease.id}${where ? ` (${where})` : ''} was ${change}${reason}.`
+      text: `Your GPU lease ${lease.id}${where ? ` (${where})` : ''} ${endedWords(change, lease)}.`
     };
   }
   return null;
@@ -151,6 +176,7 @@ export function noticeFor(event: IEvent, known?: ILease): INotice | null {
   const where = whereOf(known?.labels);
   const notebook = known?.labels?.notebook || null;
   const cell = known?.labels?.cell || null;
+  const cellId = known?.labels?.cell_id || null;
   if (event.type === 'lease.preempting') {
     const at = deadline ? ` at ${formatClock(deadline)}` : ' soon';
     return {
@@ -161,6 +187,7 @@ export function noticeFor(event: IEvent, known?: ILease): INotice | null {
       leaseId,
       notebook,
       cell,
+      cellId,
       title: `GPU lease ${leaseId} will be preempted`,
       text:
         `GPU lease ${leaseId}${where ? ` (${where})` : ''} will be preempted${at} for ` +

@@ -12,18 +12,22 @@ import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { extendLease, keepActive } from './actions';
 import { IEvent, ILease } from './api';
 import { DesktopNotifier } from './desktop';
-import { baseName, INotice, labPath, noticeFor, NOTICE_KINDS, NoticeKind } from './messages';
+import { baseName, INotice, labPath, noticeFor, NOTICE_KINDS, NoticeKind, WAITED_AT_LEAST_S } from './messages';
 import { GpuLeaseModel } from './model';
 
 /** How long a success or info notice stays up while you look at the tab (kept in the center afterwards). */
 const AUTO_CLOSE_MS = 15000;
+/** The states a lease ends in: nothing is left to warn of. */
+const ENDED_STATES = new Set(['released', 'revoked', 'expired', 'failed', 'cancelled']);
 /** Events told, remembered so a replay is not told twice (bounded). */
 const REMEMBER = 500;
 
 /** The part of a notebook panel this module uses to select a cell (typed here: no @jupyterlab/notebook). */
 interface INotebookLike {
   content?: {
-    widgets?: ReadonlyArray<{ model?: { type?: string; executionCount?: number | null; sharedModel?: any } }>;
+    widgets?: ReadonlyArray<{
+      model?: { id?: string; type?: string; executionCount?: number | null; sharedModel?: any };
+    }>;
     activeCellIndex: number;
     scrollToItem?: (index: number) => Promise<void>;
   };
@@ -64,11 +68,15 @@ export class LeaseNotifier {
   onEvent(event: IEvent): void {
     const known = this.model.leases.find(l => l.id === (event.lease_id ?? event.lease?.id));
     this._offerDesktop(event);
+    this._takeAnsweredWarnings(event);
     const notice = noticeFor(event, known);
     if (!notice || !this.enabled[notice.kind] || this._told.has(notice.key)) {
       return;
     }
     this._told.add(notice.key);
+    if (notice.kind === 'warning' || notice.kind === 'preemption') {
+      this._warned.set(notice.leaseId, notice.warning ?? notice.kind);
+    }
     if (this._told.size > REMEMBER) {
       this._told.delete(this._told.values().next().value as string);
     }
@@ -92,23 +100,30 @@ export class LeaseNotifier {
     return { ...notice, notebook: labPath(notice.notebook, PageConfig.getOption('serverRoot'), sessions) };
   }
 
-  /** Open the notebook a notice is about and select its cell when it can be found. */
-  async openNotebook(path: string, cell?: string): Promise<void> {
+  /**
+   * Open the notebook a notice is about and select its cell: the cell that ran, by the id the kernel labelled the
+   * request with; without one (an older kernel), the cell whose prompt shows In[n], else the %%gpu cell still running.
+   */
+  async openNotebook(path: string, cell?: string, cellId?: string): Promise<void> {
     const widget = (await this.app.commands.execute('docmanager:open', { path })) as INotebookLike | undefined;
     const content = widget?.content;
-    const n = Number(/In\[(\d+)\]/.exec(cell ?? '')?.[1] ?? NaN);
-    if (!content?.widgets || !Number.isFinite(n)) {
+    if (!content?.widgets) {
       return;
     }
-    // the cell shows In[n] once it has run; while it runs it is the %%gpu cell without a count yet
-    let index = content.widgets.findIndex(c => c.model?.executionCount === n);
-    if (index < 0) {
-      index = content.widgets.findIndex(
-        c =>
-          c.model?.type === 'code' &&
-          c.model.executionCount === null &&
-          String(c.model.sharedModel?.getSource?.() ?? '').startsWith('%%gpu')
-      );
+    const idOf = (c: (typeof content.widgets)[number]) => c.model?.id ?? c.model?.sharedModel?.getId?.();
+    let index = cellId ? content.widgets.findIndex(c => idOf(c) === cellId) : -1;
+    const n = Number(/In\[(\d+)\]/.exec(cell ?? '')?.[1] ?? NaN);
+    if (index < 0 && Number.isFinite(n)) {
+      // the cell shows In[n] once it has run; while it runs it is the %%gpu cell without a count yet
+      index = content.widgets.findIndex(c => c.model?.executionCount === n);
+      if (index < 0) {
+        index = content.widgets.findIndex(
+          c =>
+            c.model?.type === 'code' &&
+            c.model.executionCount === null &&
+            String(c.model.sharedModel?.getSource?.() ?? '').startsWith('%%gpu')
+        );
+      }
     }
     if (index >= 0) {
       content.activeCellIndex = index;
@@ -118,7 +133,7 @@ export class LeaseNotifier {
 
   private _show(notice: INotice): void {
     const open = notice.notebook
-      ? () => void this.openNotebook(notice.notebook as string, notice.cell ?? undefined)
+      ? () => void this.openNotebook(notice.notebook as string, notice.cell ?? undefined, notice.cellId ?? undefined)
       : () => this.openPanel();
     const hidden = document.visibilityState === 'hidden';
     const sticky = hidden || notice.level === 'warning' || notice.level === 'error';
@@ -164,22 +179,67 @@ export class LeaseNotifier {
       actions.push({
         label: `Open ${name}`,
         caption: `Open the notebook ${notice.notebook}`,
-        callback: () => void this.openNotebook(notice.notebook as string, notice.cell ?? undefined)
+        callback: () =>
+          void this.openNotebook(notice.notebook as string, notice.cell ?? undefined, notice.cellId ?? undefined)
       });
     }
     actions.push({ label: 'Show', caption: 'Show the GPU lease panel', displayType: 'link', callback: this.openPanel });
     return actions;
   }
 
-  /** A request that waits, or a background cell that starts: the moment to offer desktop notifications. */
+  /**
+   * A warning that no longer holds goes: every warning about a lease that ended (a release too, which is told
+   * nothing), an expiry warning once the lease was extended, an idle warning once it is in use again.
+   */
+  private _takeAnsweredWarnings(event: IEvent): void {
+    const lease = event.lease as ILease | undefined;
+    const kind = lease?.id ? this._warned.get(lease.id) : undefined;
+    if (event.type !== 'lease' || !lease?.id || kind === undefined) {
+      return;
+    }
+    const change = String(event.change ?? '');
+    const answered =
+      ENDED_STATES.has(lease.state) ||
+      (kind === 'expiry' && change === 'renewed') ||
+      (kind === 'idle' && lease.state === 'active');
+    if (!answered) {
+      return;
+    }
+    this._warned.delete(lease.id);
+    // in order: after a warning still being shown
+    this._pending = this._pending.then(() => {
+      const slot = `${lease.id}:warning`;
+      const shown = this._slots.get(slot);
+      if (shown) {
+        Notification.dismiss(shown);
+        this._slots.delete(slot);
+      }
+    });
+  }
+
+  /**
+   * A request that really waits, or a background cell that starts: the moment to offer desktop notifications. A
+   * request enters the queue before every grant, even one at once: it is offered only when it is still queued a
+   * moment later (no event took it out of the queue meanwhile).
+   */
   private _offerDesktop(event: IEvent): void {
     const lease = event.lease as ILease | undefined;
     if (event.type !== 'lease' || !lease?.id) {
       return;
     }
     if (lease.state === 'queued' && event.previous === null) {
-      this.desktop.offerOnce('Your GPU request waits in the queue.');
-    } else if (lease.labels?.bg && event.change === 'granted') {
+      this._queued.add(lease.id);
+      window.setTimeout(() => {
+        if (this._queued.delete(lease.id)) {
+          this.desktop.offerOnce('Your GPU request waits in the queue.');
+        }
+      }, WAITED_AT_LEAST_S * 1000);
+      return;
+    }
+    if (lease.state !== 'queued') {
+      this._queued.delete(lease.id);
+    }
+    if (lease.labels?.bg && event.change === 'granted') {
       this.desktop.offerOnce(`Background cell ${lease.labels.bg} runs.`);
     }
   }
@@ -187,4 +247,8 @@ export class LeaseNotifier {
   private _pending: Promise<void> = Promise.resolve();
   private _told = new Set<string>();
   private _slots = new Map<string, string>();
+  /** Leases with a warning shown, and its kind ('idle', 'expiry', 'preemption'). */
+  private _warned = new Map<string, string>();
+  /** Requests just queued, until they leave the queue. */
+  private _queued = new Set<string>();
 }

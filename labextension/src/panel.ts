@@ -3,13 +3,14 @@ import { Widget } from '@lumino/widgets';
 
 import { cancelRequest, extendLease, releaseLease, revokeLease } from './actions';
 import { IArtifact, ILease, IQueueEntry } from './api';
-import { gpuCard, leaseUsage, updateCardSample } from './cards';
-import { counter, etaCounter, h, tickCounters } from './format';
+import { gpuCard, leaseUsage, showsIdleCountdown, updateCardSample } from './cards';
+import { counter, formatClock, gpusWanted, h, tickCounters, waitWords } from './format';
 import { GpuLeaseModel } from './model';
 import { wants } from './gputype';
 
 export const PANEL_ID = 'gpulease-panel';
-const FULL_RENDER_TICKS = 5; // the cards' countdowns and states: every 5 s
+const FULL_RENDER_TICKS = 5; // the cards' states: every 5 s
+const QUEUE_REFRESH_TICKS = 30; // while someone waits: the broker's estimates every 30 s
 
 const GPU_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><g class="jp-icon3" fill="#616161">' +
@@ -41,7 +42,9 @@ export class GpuLeasePanel extends Widget {
       if (!this.isVisible) {
         return;
       }
-      if (++ticks % FULL_RENDER_TICKS === 0) {
+      if (++ticks % QUEUE_REFRESH_TICKS === 0 && this.model.queue.length) {
+        this.model.scheduleRefresh(); // the broker's start estimates, in its words, as they are now
+      } else if (ticks % FULL_RENDER_TICKS === 0) {
         this.render();
       } else {
         tickCounters(this.node, this.model.now());
@@ -116,13 +119,12 @@ export class GpuLeasePanel extends Widget {
 
   private queueItem(e: IQueueEntry): HTMLElement {
     const now = this.model.now();
-    const size = e.fraction < 1 ? `${e.fraction} GPU` : e.min_gpus === e.max_gpus ? `${e.min_gpus} GPU` : `${e.min_gpus}-${e.max_gpus} GPUs`;
     return h(
       'li',
       { class: e.mine ? 'jp-GpuLease-queueItem jp-mod-mine' : 'jp-GpuLease-queueItem', 'data-lease-id': e.lease_id ?? '' },
-      `#${e.position} ${e.mine ? 'you' : e.user}: ${size}${wants(e)}, waited `,
+      `#${e.position} ${e.mine ? 'you' : e.user}: ${gpusWanted(e)}${wants(e)}, waited `,
       counter('since', now - this.model.waited(e), now, 'jp-GpuLease-waited'),
-      e.estimated_start ? [', starts in ', etaCounter(e.estimated_start, e.estimated_start_range, now)] : null
+      waitWords(e).flatMap(w => [' · ', h('span', { class: 'jp-GpuLease-waitWhy' }, w)])
     );
   }
 
@@ -145,11 +147,14 @@ export class GpuLeasePanel extends Widget {
     if (l.expires_at && m.holding(l)) {
       parts.push([counter('until', l.expires_at, now), ' left']);
     }
-    if (l.idle_deadline) {
-      parts.push(['idle in ', counter('until', l.idle_deadline, now)]);
+    if (showsIdleCountdown(l)) {
+      parts.push(['idle in ', counter('until', l.idle_deadline as number, now)]);
     }
     if (l.state === 'queued' && l.position) {
       parts.push([`position ${l.position}`]);
+    }
+    if (l.state === 'queued') {
+      parts.push(...waitWords(l).map(w => [h('span', { class: 'jp-GpuLease-waitWhy' }, w)]));
     }
     if (admin && l.holder && !l.holder.alive && l.holder.text) {
       parts.push([h('span', { class: 'jp-GpuLease-holderGone', title: 'Its holder is gone: the broker ends it' }, l.holder.text)]);
@@ -160,7 +165,7 @@ export class GpuLeasePanel extends Widget {
     return h(
       'li',
       { class: 'jp-GpuLease-lease', 'data-lease-id': l.id, 'data-state': l.state },
-      h('div', { class: 'jp-GpuLease-leaseTitle' }, `${admin ? `${l.user}: ` : ''}${l.id}`, gpus ? ` (GPU ${gpus})` : ''),
+      h('div', { class: 'jp-GpuLease-leaseTitle' }, `${admin ? `${l.user}: ` : ''}${l.id}`, gpus ? ` (${l.devices.length === 1 ? 'GPU' : 'GPUs'} ${gpus})` : ''),
       h('div', { class: 'jp-GpuLease-leaseState' }, parts.flatMap((p, i) => (i ? [' · ', ...p] : p))),
       leaseUsage(l.usage)
         ? h('div', { class: 'jp-GpuLease-leaseUsage', title: 'GPU memory and utilisation this lease used (peak memory of what it held; mean utilisation)' }, leaseUsage(l.usage))
@@ -202,7 +207,7 @@ export class GpuLeasePanel extends Widget {
                 a.relative_path !== null
                   ? h('a', { href: '#', class: 'jp-GpuLease-artifact', 'data-lease-id': a.lease_id, 'aria-label': `Open artifacts of lease ${a.lease_id}`, onclick: (e: Event) => { e.preventDefault(); this.openArtifact(a); } }, a.lease_id)
                   : h('span', { title: a.path }, a.lease_id),
-                h('span', { class: 'jp-GpuLease-artifactWhen' }, ` ${new Date(a.modified * 1000).toLocaleString()}`)
+                h('span', { class: 'jp-GpuLease-artifactWhen' }, ` ${formatClock(a.modified)}`)
               )
             )
           )

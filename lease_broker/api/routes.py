@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from . import cluster, events, leases, notify, policy, reservations, usage
+from . import cluster, events, leases, notify, policy, quota, reservations, usage
 from .base import Routes
 
 PREFIX = "/api/v1"
 
 
 def default_handlers(prefix: str = PREFIX) -> Routes:
-    return [route for module in (cluster, leases, events, notify, policy, reservations, usage) for route in module.routes(prefix)]
+    modules = (cluster, leases, events, notify, policy, quota, reservations, usage)
+    return [route for module in modules for route in module.routes(prefix)]

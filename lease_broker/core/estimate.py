@@ -12,6 +12,11 @@ every request ahead, in queue order, takes the GPUs where it can start first on 
 ahead takes later if it ends first (the scheduler's backfill). Sampling each holder on its own matters: a gang
 waits for the last of several holders to end, one GPU for the first. The samples give the range (10th to 90th
 percentile) and the likely start: one within 2x of the most samples.
+
+The walk knows the holders, not the people: a holder renews, comes back from a pause, a request ahead is
+cancelled. :func:`calibrated` widens the walk's range by factors fitted on the replay so that the real start falls
+inside the range shown in most cases (``WIDEN``), and :func:`wait_words` says that range in words, rounded outward,
+once for every client (the view's ``estimate_text``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ SAMPLES = 16
 RANGE = (0.1, 0.9)
 #: Waits shorter than this many seconds are all "now" to a user (no estimate is finer).
 TINY_WAIT = 30.0
+#: The shown range: the walk's low wait divided by the first, its high wait times the second. Fitted on the replay
+#: (``benchmarks/replay.py: estimates``; 2x8, idle 10m, default limits; the trace and 8 jittered copies pooled,
+#: judged on the words shown): the narrowest factors tried with at least 80 % of real starts inside the words
+#: (pooled 81 %, median width 22x; the trace alone 82 %, 20x). The walk's own 10th-90th percentile range held
+#: 56 % (width 4x): the wait depends on people (renewals, pauses), which no holder model here foresees.
+WIDEN = (1.5, 3.0)
 
 Ends = tuple[float, ...]  # possible end times (or durations), sorted; one value: known
 
@@ -144,6 +155,75 @@ def starts(now: float, nodes: Mapping[str, Sequence[str]], holders: Mapping[str,
         low, likely, high = _quantile(got, RANGE[0]), likely_wait(got), _quantile(got, RANGE[1])
         out.append(Span(now + min(low, likely), now + likely, now + max(high, likely)))
     return out
+
+
+def calibrated(span: Span, now: float, widen: tuple[float, float] = WIDEN) -> Span:
+    """The range to show for a walk's ``span``: its waits from ``now`` widened by ``widen`` (``WIDEN``); the likely
+    start stays."""
+    low, high = max(0.0, span.low - now), max(0.0, span.high - now)
+    return Span(now + low / widen[0], span.likely, now + high * widen[1])
+
+
+#: The rungs a wait in words is rounded to, in seconds: minutes, then hours, then days.
+_MIN, _HOUR, _DAY = 60.0, 3600.0, 86400.0
+RUNGS = (*(m * _MIN for m in (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 45)),
+         *(h * _HOUR for h in (1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 18)),
+         *(d * _DAY for d in (1, 1.5, 2, 3, 4, 5, 7, 10, 14, 21, 30)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """A wait in words and the range of seconds the words say (``high`` INF: open-ended)."""
+
+    text: str
+    low: float
+    high: float
+
+
+def _rung(seconds: float) -> str:
+    if seconds < _HOUR:
+        return f"{seconds / _MIN:g} min"
+    if seconds < 1.5 * _DAY:
+        return f"{seconds / _HOUR:g} h"
+    return f"{seconds / _DAY:g} days"
+
+
+def _unit(text: str) -> tuple[str, str]:
+    number, unit = text.split(" ")
+    return number, unit
+
+
+def wait_words(low: float, high: float) -> Words:
+    """A wait of ``low`` to ``high`` seconds from now in words, rounded outward to ``RUNGS`` so that the words
+    hold the whole range: "in 1–3 min", "in 45 min–2 h", "within 5 min" (from now), "in under a minute", "in about
+    20 min" (a point: a known time, the nearest rung), "in over 30 days"; "unknown" when it may be any time."""
+    low, high = max(0.0, low), max(0.0, low, high)
+    if high == low:  # a point: the nearest rung
+        if high < TINY_WAIT:
+            return Words("now", 0.0, 0.0)
+        near = min(RUNGS, key=lambda r: abs(r - high))
+        return Words(f"in about {_rung(near)}", high, high)
+    if high > RUNGS[-1]:
+        below = max((r for r in RUNGS if r <= low), default=0.0)
+        return Words(f"in over {_rung(below)}" if below else "unknown", below, INF)
+    up = min(r for r in RUNGS if r >= high)
+    down = max((r for r in RUNGS if r <= low), default=0.0)
+    if down == 0.0:
+        return Words("in under a minute" if up == _MIN else f"within {_rung(up)}", 0.0, up)
+    (lo, lo_unit), (hi, hi_unit) = _unit(_rung(down)), _unit(_rung(up))
+    text = f"in {lo}–{hi} {hi_unit}" if lo_unit == hi_unit else f"in {lo} {lo_unit}–{hi} {hi_unit}"
+    return Words(text, down, up)
+
+
+def start_text(span: Span | None, planned: float | None, now: float) -> str:
+    """The words every client shows for a queued request's start (the view's ``estimate_text``): its shown range
+    (``calibrated``) when the broker walked it; else the scheduler's plan from the holders' time limits, a point;
+    else "unknown"."""
+    if span is not None:
+        return wait_words(span.low - now, span.high - now).text
+    if planned is not None:
+        return wait_words(planned - now, planned - now).text
+    return "unknown"
 
 
 def likely_wait(waits: Sequence[float], tiny: float = TINY_WAIT) -> float:

@@ -76,3 +76,12 @@ class Decision:
     reserved: dict[str, str] = dataclasses.field(default_factory=dict)  # GPU id -> advance reservation id
     grown: list[Grant] = dataclasses.field(default_factory=list)  # GPUs added to holding incremental leases
     plan: dict[str, Reservation] = dataclasses.field(default_factory=dict)  # blocked lease id -> its reservation
+    waiting: dict[str, str] = dataclasses.field(default_factory=dict)  # lease id the pass looked at -> WAIT slug
+
+
+#: Why a request the pass looked at was not granted (``Decision.waiting``), most specific first: the user's (or a
+#: group's) GPUs at once, the daily GPU-hours, a gang no node has room for now, no free GPU of the type or size it
+#: asks for, GPUs held for an advance reservation, behind a higher class, behind users who used less (fair share),
+#: behind earlier requests, or simply every GPU it could use is held.
+WAIT_REASONS = ("quota", "budget", "whole_node", "no_gpu_type", "reservation", "priority", "fair_share", "queue",
+                "gpus_busy")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from ..core.estimate import INF, Ends, History, Need, Span, holder_end, starts
+from ..core.estimate import INF, Ends, History, Need, Span, calibrated, holder_end, starts
 from ..core.gpufit import constrained, fits
 from ..core.lease import Lease, LeaseRequest, LeaseState
 from ..core.scheduler import Pending
@@ -73,14 +73,16 @@ class Estimates:
         return self.queue(now).get(lease.id)
 
     def queue(self, now: float) -> dict[str, Span]:
-        """The likely start of each request at the head of the queue (the first WALK_DEPTH + 1), from one walk
-        (reused for REUSE_SECONDS while the head stays the same)."""
+        """The likely start of each request at the head of the queue (the first WALK_DEPTH + 1) and the range
+        shown for it (``core.estimate.calibrated``), from one walk (reused for REUSE_SECONDS while the head stays
+        the same)."""
         head = self.state.queue.head(WALK_DEPTH + 1)
         ids = tuple(p.lease_id for p in head)
         at, last_ids, last = self._last
         if 0.0 <= now - at < REUSE_SECONDS and last_ids == ids:
             return last
-        out = {p.lease_id: s for p, s in zip(head, self._walk(head, now), strict=True) if s is not None}
+        out = {p.lease_id: calibrated(s, now) for p, s in zip(head, self._walk(head, now), strict=True)
+               if s is not None}
         self._last = (now, ids, out)
         return out
 

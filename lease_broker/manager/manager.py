@@ -53,6 +53,7 @@ from .restore import double_grants, load_live
 from .state import LiveState
 from .usage import Usage
 from .views import Views
+from .waits import Waits
 from .warm import WarmRegrants
 
 log = logging.getLogger("lease_broker")
@@ -81,7 +82,8 @@ class LeaseManager:
         self.estimates = Estimates(self.state, policy, self.enforcer)  # queued requests' likely starts
         self.warm = WarmRegrants(policy)  # a notebook's next request gets the GPUs its last lease gave back
         self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption,
-                           self.estimates, self.holders)
+                           self.estimates, self.holders,
+                           Waits(self.state, policy, self.quotas, self.reservations, self.estimates))
         self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
         self.metering = Metering(self.state, self)  # what each lease used, from the samples
         self.transitions_total: dict[tuple[str, str], int] = {}
@@ -249,6 +251,7 @@ class LeaseManager:
         if before == LeaseState.QUEUED and change.state is not None:
             self.state.queue.remove(lease.id)
             self.state.planned.pop(lease.id, None)
+            self.state.waiting.pop(lease.id, None)
         if change.moves:
             self.state.table.sync(lease)
         if change.state is not None and before is not None:
@@ -269,6 +272,7 @@ class LeaseManager:
         if new:
             self.state.leases.pop(lease.id, None)
             self.state.queue.remove(lease.id)  # (a no-op when it is not queued)
+            self.state.waiting.pop(lease.id, None)
         elif not lease.state.terminal:
             self.state.leases[lease.id] = lease
             if lease.state == LeaseState.QUEUED and lease.id not in self.state.queue:
@@ -347,13 +351,14 @@ class LeaseManager:
         growable = self.planning.growable(now)
         if not len(self.state.queue) and not self.preemption.warnings and not growable:
             self.planning.select(now)  # keeps the full passes' rhythm
-            self.state.planned = {}
+            self.state.planned, self.state.waiting = {}, {}
             return 0
         pending, full = self.planning.select(now)
         decision = schedule(pending, self.enforcer.slot_index(now), self.state.table.held_by_user, now=now,
                             **self.planning.options(now, growable))
         self.planning.plan = decision.plan
         self.state.planned = dict(decision.planned_start) if full else {**self.state.planned, **decision.planned_start}
+        self.state.waiting.update(decision.waiting)  # (a request leaves it as it leaves the queue: commit)
         for grant in decision.grants:
             lease = self.leases[grant.lease_id]
             self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,

@@ -24,6 +24,7 @@ class LiveState:
         self.samples: dict[str, GpuSample] = {}  # the inventory's latest sample, by GPU id
         self.queue = Queue(ranks)  # queued requests in scheduling order
         self.planned: dict[str, float] = {}  # queued lease id -> planned start (the latest pass's estimate)
+        self.waiting: dict[str, str] = {}  # queued lease id -> why it waits (the latest pass that looked at it)
 
     def set_gpus(self, gpus: list[GPU]) -> None:
         self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.estimate import Span
+from ..core.estimate import Span, start_text
 from ..core.fractional import held_memory, shared_env
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
+from ..core.words import ended_text
 from ..host.procs import mps_running
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
@@ -21,6 +22,7 @@ from .holders import Holders
 from .preemption import Preemption
 from .reservations import Reservations
 from .state import LiveState
+from .waits import Waits, ended_facts
 
 
 def may_see(lease: Lease, who: Identity) -> bool:
@@ -52,6 +54,16 @@ def holder_view(lease: Lease, watched: bool, alive: bool, now: float, heartbeat_
     return {"pid": None, "watched": False, "alive": False, "text": text}
 
 
+def idle_countdown(lease: Lease, timeout: float, now: float, idle_mark: float) -> float | None:
+    """When a holding lease would be revoked for idleness (``idle_deadline``), or None while it is busy: active,
+    with activity (a running cell's heartbeats) within ``idle_mark`` seconds, so no countdown runs toward a
+    revocation that its next beat would put off. The enforcer revokes a lease only once it has been without
+    activity for its timeout, so the countdown shows for the last ``timeout - idle_mark`` seconds before it."""
+    if lease.state == LeaseState.ACTIVE and now - lease.last_activity < min(idle_mark, timeout):
+        return None
+    return lease.last_activity + timeout
+
+
 def lease_view(
     lease: Lease,
     gpus: dict[str, GPU],
@@ -61,6 +73,7 @@ def lease_view(
     position: int | None = None,
     estimate: float | None = None,
     estimate_range: tuple[float, float] | None = None,
+    estimate_text: str | None = None,
     idle_deadline: float | None = None,
     max_expires_at: float | None = None,
     placement: dict[str, Any] | None = None,
@@ -102,6 +115,7 @@ def lease_view(
         "position": position,
         "estimated_start": estimate,
         "estimated_start_range": list(estimate_range) if estimate_range is not None else None,
+        "estimate_text": estimate_text,
         "env": {"CUDA_VISIBLE_DEVICES": visible_devices} if lease.devices else {},
         "placement": placement,
         "usage": lease.use.view(held_memory(lease, gpus)) if lease.granted_at is not None else None,
@@ -149,21 +163,26 @@ class Views:
     """The JSON views the API serves and the events carry. ``viewer`` None: the owner's view (events)."""
 
     def __init__(self, state: LiveState, policy: LeasePolicy, inventory: Inventory, enforcer: Enforcer,
-                 reservations: Reservations, preemption: Preemption, estimates: Estimates, holders: Holders) -> None:
+                 reservations: Reservations, preemption: Preemption, estimates: Estimates, holders: Holders,
+                 waits: Waits) -> None:
         self.state, self.policy, self.inventory, self.enforcer = state, policy, inventory, enforcer
         self.reservations, self.preemption, self.estimates, self.holders = reservations, preemption, estimates, holders
+        self.waits = waits
 
     def lease(self, lease: Lease, viewer: Identity | None, now: float) -> dict[str, Any]:
         state = self.state
-        position = estimate = estimate_range = idle_deadline = max_expires_at = None
+        position = estimate = estimate_range = estimate_text = idle_deadline = max_expires_at = None
         if lease.state == LeaseState.QUEUED:
             position = state.queue.position(lease.id)
             # the range when someone asks (events carry the pass's plan: a request's event must stay cheap)
             span = self.estimates.start(lease, now) if viewer is not None else None
-            estimate, estimate_range = self.start(lease.id, span)
+            estimate, estimate_range, estimate_text = self.start(lease.id, span, now)
+            if viewer is None:  # no words from the plan where a view or the queue would say others: one estimate
+                estimate_text = None
         elif lease.state in HOLDING:
             if lease.idle_timeout_seconds:
-                idle_deadline = lease.last_activity + self.enforcer.idle_timeout(lease)[0]
+                idle_deadline = idle_countdown(lease, self.enforcer.idle_timeout(lease)[0], now,
+                                               float(self.policy.idle_mark_seconds))
             if lease.granted_at is not None:  # renewals stop here (Quotas.check_renewal): the sidebar's Extend choices
                 max_expires_at = lease.granted_at + float(self.policy.limit(lease.user, "max_duration_seconds"))
         devices = [state.gpu_by_id[d] for d in lease.devices if d in state.gpu_by_id]
@@ -175,6 +194,7 @@ class Views:
             position=position,
             estimate=estimate,
             estimate_range=estimate_range,
+            estimate_text=estimate_text,
             idle_deadline=idle_deadline,
             max_expires_at=max_expires_at,
             placement=self.inventory.placement(lease),
@@ -183,15 +203,21 @@ class Views:
         out.update(self.preemption.view(lease, admin=viewer is not None and viewer.admin))
         watched, alive = self.holders.view(lease)
         out["holder"] = holder_view(lease, watched, alive, now, float(self.policy.heartbeat_timeout))
+        # why it waits (the latest pass's reason, in words), and why it ended as a sentence (the slug stays in reason)
+        out["wait"] = self.waits.view(lease, position, now) if lease.state == LeaseState.QUEUED else None
+        out["reason_text"] = (ended_text(lease.state.value, lease.reason, **ended_facts(lease))
+                              if lease.state.terminal else None)
         return out
 
-    def start(self, lease_id: str, span: Span | None) -> tuple[float | None, tuple[float, float] | None]:
-        """A queued lease's ``estimated_start`` and ``estimated_start_range``: the likely start and the range of
-        the holders' likely ends (``Estimates``); without them (deep in the queue), the scheduler's plan from
-        the holders' time limits and no range."""
+    def start(self, lease_id: str, span: Span | None,
+              now: float) -> tuple[float | None, tuple[float, float] | None, str]:
+        """A queued lease's ``estimated_start``, ``estimated_start_range`` and ``estimate_text``: the likely start,
+        the range shown (``Estimates``) and its words (``core.estimate.start_text``, the one text every client
+        shows); without a range (deep in the queue), the scheduler's plan from the holders' time limits."""
         if span is None:
-            return self.state.planned.get(lease_id), None
-        return span.likely, (span.low, span.high)
+            planned = self.state.planned.get(lease_id)
+            return planned, None, start_text(None, planned, now)
+        return span.likely, (span.low, span.high), start_text(span, None, now)
 
     def mps_enabled(self) -> bool:
         """Whether shared leases get CUDA MPS limits (the policy says so, or 'auto' and MPS runs)."""
@@ -250,12 +276,13 @@ class Views:
         out = []
         leases = self.state.leases
         starts = self.estimates.queue(now)  # the head's, from one walk
+        memo: dict[str, str] = {}  # the words every request waiting for busy GPUs shares
         for pos, p in enumerate(self.state.queue, 1):
             lease = leases.get(p.lease_id)
             if lease is None or lease.state != LeaseState.QUEUED:
                 continue
             mine = may_see(lease, viewer)
-            estimate, estimate_range = self.start(lease.id, starts.get(lease.id))
+            estimate, estimate_range, estimate_text = self.start(lease.id, starts.get(lease.id), now)
             out.append(
                 {
                     "position": pos,
@@ -271,6 +298,8 @@ class Views:
                     "waited_seconds": max(0.0, now - lease.created_at),
                     "estimated_start": estimate,
                     "estimated_start_range": list(estimate_range) if estimate_range is not None else None,
+                    "estimate_text": estimate_text,
+                    "wait": self.waits.view(lease, pos, now, memo),
                 }
             )
         return out

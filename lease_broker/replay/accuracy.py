@@ -5,6 +5,10 @@ Both are seconds from the request, each floored at ``FLOOR`` seconds (a 5 s esti
 good as exact to a user), so a ratio is always defined. An estimate is *within 2×* when
 ``max(est, real) / min(est, real) <= 2``; the *median ratio* is the median of ``est / real`` (below 1: too
 optimistic). A request told no estimate counts as not within 2× and has no ratio.
+
+The range is judged as users read it: the words the broker shows for it (``core.estimate.wait_words``, rounded
+outward) hold the real wait (``in_words``), and its width is the ratio of the words' upper to lower end, each
+floored like the waits (``words_width``: the median; a range that says "any time" is no estimate).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..core.estimate import wait_words
 from .model import Told
 
 FLOOR = 30.0  # seconds: estimates and waits shorter than this count as this long
@@ -46,6 +51,9 @@ def accuracy(told: Sequence[Told]) -> dict[str, Any]:
     ranged = [(t, w) for t, w in done if t.low is not None and t.high is not None]
     inside = sum(1 for t, w in ranged
                  if max(rel(t.low, t) or 0.0, FLOOR) <= max(w, FLOOR) <= max(rel(t.high, t) or 0.0, FLOOR))
+    words = [(wait_words(rel(t.low, t) or 0.0, rel(t.high, t) or 0.0), w) for t, w in ranged]
+    in_words = sum(1 for said, w in words if max(said.low, FLOOR) <= max(w, FLOOR) <= max(said.high, FLOOR))
+    widths = [max(said.high, FLOOR) / max(said.low, FLOOR) for said, _ in words]
     return {
         "queued": len(told),
         "granted": len(done),
@@ -53,6 +61,8 @@ def accuracy(told: Sequence[Told]) -> dict[str, Any]:
         "time_limit": score((rel(t.planned, t), w) for t, w in done),
         "with_range": len(ranged),
         "in_range": inside / len(ranged) if ranged else float("nan"),
+        "in_words": in_words / len(ranged) if ranged else float("nan"),
+        "words_width": statistics.median(widths) if widths else float("nan"),
         "floor_s": FLOOR,
     }
 
@@ -69,5 +79,5 @@ def describe(run_label: str, a: dict[str, Any]) -> str:
 
     return (f"{run_label}: start estimates of the {a['queued']} requests that queued: {pct(e['within_2x'])} within 2x "
             f"of the real wait (median ratio est/real {ratio(e['median_ratio'])}, real start inside the range told "
-            f"{pct(a['in_range'])}); the time-limit plan of the same run: {pct(t['within_2x'])} within 2x (median "
+            f"{pct(a['in_words'])}, median width {ratio(a['words_width'])}x); the time-limit plan of the same run: {pct(t['within_2x'])} within 2x (median "
             f"{ratio(t['median_ratio'])}, {t['with_estimate']} of {t['n']} had one)")

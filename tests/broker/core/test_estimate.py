@@ -6,7 +6,19 @@ import math
 
 import pytest
 
-from lease_broker.core.estimate import History, Need, Span, holder_end, likely_wait, remaining, starts
+from lease_broker.core.estimate import (
+    WIDEN,
+    History,
+    Need,
+    Span,
+    calibrated,
+    holder_end,
+    likely_wait,
+    remaining,
+    start_text,
+    starts,
+    wait_words,
+)
 
 NOW = 1000.0
 INF = math.inf
@@ -163,3 +175,36 @@ def test_a_request_for_some_gpus_only_waits_for_those():
     ends = {"g0": (1100.0,), "g1": (1200.0,), "g2": (1300.0,), "g3": (1400.0,)}
     assert start_of(holders, ends, [Need(1, only=frozenset({"g2", "g3"}))]) == Span.exactly(1300.0)
     assert start_of({}, {}, [Need(1, only=frozenset())]) is None  # no GPU of its kind
+
+
+# ---------------------------------------------------------------- the range shown, in words
+@pytest.mark.parametrize("low, high, text, said", [
+    (70.0, 170.0, "in 1–3 min", (60.0, 180.0)),  # rounded outward: the words hold the whole range
+    (0.0, 250.0, "within 5 min", (0.0, 300.0)),  # from now
+    (10.0, 50.0, "in under a minute", (0.0, 60.0)),
+    (2400.0, 9000.0, "in 30 min–3 h", (1800.0, 10800.0)),
+    (4000.0, 7000.0, "in 1–2 h", (3600.0, 7200.0)),
+    (3 * 86400.0, 5 * 86400.0, "in 3–5 days", (3 * 86400.0, 5 * 86400.0)),
+    (1200.0, 1200.0, "in about 20 min", (1200.0, 1200.0)),  # a point: a known time (the scheduler's plan)
+    (1210.0, 1220.0, "in 20–30 min", (1200.0, 1800.0)),  # a narrow range still spans its rungs
+    (0.0, 0.0, "now", (0.0, 0.0)),
+    (5000.0, 90 * 86400.0, "in over 1 h", (3600.0, math.inf)),  # beyond the last rung: open-ended
+    (0.0, 90 * 86400.0, "unknown", (0.0, math.inf)),  # "any time" is no estimate
+])
+def test_a_wait_in_words_holds_its_range(low, high, text, said):
+    words = wait_words(low, high)
+    assert words.text == text
+    assert (words.low, words.high) == said
+    if low < high:
+        assert words.low <= low and high <= words.high
+
+
+def test_the_shown_range_widens_the_walk_and_says_it_in_words():
+    walk = Span(NOW + 60.0, NOW + 120.0, NOW + 300.0)
+    shown = calibrated(walk, NOW)
+    assert shown == Span(NOW + 60.0 / WIDEN[0], NOW + 120.0, NOW + 300.0 * WIDEN[1])
+    assert shown.low <= walk.low and walk.high <= shown.high and shown.likely == walk.likely
+    assert calibrated(Span.exactly(NOW - 5.0), NOW) == Span(NOW, NOW - 5.0, NOW)  # past ends: now
+    assert start_text(shown, None, NOW) == wait_words(shown.low - NOW, shown.high - NOW).text
+    assert start_text(None, NOW + 1200.0, NOW) == "in about 20 min"  # deep in the queue: the plan, a point
+    assert start_text(None, None, NOW) == "unknown"

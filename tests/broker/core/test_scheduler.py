@@ -228,3 +228,16 @@ def test_a_warm_regrant_keeps_to_the_requests_type_and_locality():
     assert granted(d) == {"x": ("a/0",)}
     d = schedule([warm("x", ("a/1", "b/1"), n=2)], s, {}, SchedulerPolicy(), NOW)  # locality node: one node
     assert granted(d)["x"] in (("a/0", "a/1"), ("b/0", "b/1"))
+
+
+def test_every_request_left_waiting_says_why_also_deep_in_the_queue():
+    """Each request a pass looks at and does not grant gets its reason (``Decision.waiting``), past backfill_depth
+    too, where the pass only skips it: a cap before anything, then whom it waits behind."""
+    s = slots({"n0": 2})
+    hold(s, ["n0/0", "n0/1"], NOW + 600)
+    pol = SchedulerPolicy(backfill_depth=1, user_cap=lambda u: 1.0 if u == "capped" else 0.0)
+    pending = [req("a", user="x", seq=1), req("b", user="y", seq=5), req("c", user="x", seq=2),
+               req("d", user="capped", seq=3), req("e", user="y", seq=4, priority="low")]
+    d = schedule(pending, s, {"capped": 1.0}, pol, NOW, ordered=True)
+    assert not d.grants
+    assert d.waiting == {"a": "gpus_busy", "b": "queue", "c": "fair_share", "d": "quota", "e": "priority"}

@@ -177,10 +177,11 @@ def test_idle_revocation_from_nvml_utilisation(broker_factory, state: FakeNvml, 
             state.write()
             # computing on the GPU keeps it active well past the idle timeout
             wait_for(lambda: c.lease(lease["id"])["state"] == "active", timeout=10)
-            busy_until = wait_for(lambda: c.lease(lease["id"]), timeout=1)["idle_deadline"]
-            wait_for(lambda: c.lease(lease["id"])["idle_deadline"] > busy_until + 3, timeout=15,
-                     what="activity keeps pushing the idle deadline")
-            assert c.lease(lease["id"])["state"] == "active" and not events.of("warning")
+            busy_since = wait_for(lambda: c.lease(lease["id"]), timeout=1)["last_activity"]
+            wait_for(lambda: c.lease(lease["id"])["last_activity"] > busy_since + 3, timeout=15,
+                     what="activity past the idle timeout")
+            busy = c.lease(lease["id"])
+            assert busy["state"] == "active" and busy["idle_deadline"] is None and not events.of("warning")
             state.procs[0].sm = 0  # quiet: warned, then revoked
             state.write()
             warning = events.wait("warning", timeout=15, lease_id=lease["id"])

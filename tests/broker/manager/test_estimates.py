@@ -4,8 +4,10 @@ through a real broker process: the views carry the likely start and its range.""
 from __future__ import annotations
 
 import pytest
+from waiting import wait_for
 
 from lease_broker.core.clock import VirtualClock
+from lease_broker.core.estimate import WIDEN, wait_words
 from lease_broker.core.identity import Identity
 from lease_broker.core.lease import LeaseState
 from lease_broker.inventory.simulated import SimulatedInventory
@@ -46,7 +48,11 @@ def test_a_queued_request_waits_for_an_idle_holder_to_reach_its_idle_deadline(ma
     view = m.view(queued, BOB)
     deadline = held.last_activity + 600
     assert view["estimated_start"] == deadline  # not the 8 h time limit
-    assert view["estimated_start_range"] == [deadline, deadline]  # known: no spread
+    now = clock.now()
+    wait = deadline - now
+    # the holder's end is known, the person is not (she may come back): the shown range widens the wait by WIDEN
+    assert view["estimated_start_range"] == [now + wait / WIDEN[0], now + wait * WIDEN[1]]
+    assert view["estimate_text"] == wait_words(wait / WIDEN[0], wait * WIDEN[1]).text == "in 5–30 min"
     assert m.state.planned[queued.id] == held.expires_at  # the time-limit plan, for comparison
 
 
@@ -95,7 +101,7 @@ def test_a_range_shows_how_unsure_the_estimate_is(make):
     view = m.view(queued, BOB)
     low, high = view["estimated_start_range"]
     now = clock.now()
-    assert now + 60 <= low <= view["estimated_start"] <= high <= now + 3000
+    assert now + 60 / WIDEN[0] <= low <= view["estimated_start"] <= high <= now + 3000 * WIDEN[1]
     assert high - low >= 1000
 
 
@@ -114,6 +120,8 @@ def test_the_queue_carries_every_head_requests_range_and_events_carry_the_plan(m
     assert queue[0]["estimated_start"] <= queue[1]["estimated_start"]
     queued_event = next(e for e in m.events.backlog if e["type"] == "lease" and e["lease"]["id"] == second.id)
     assert queued_event["lease"]["estimated_start_range"] is None  # a request's own event stays cheap
+    assert queued_event["lease"]["estimate_text"] is None  # and says no other words than the view's
+    assert queue[1]["estimate_text"] == m.view(second, BOB)["estimate_text"]  # one walk: the same words
 
 
 def test_a_gang_estimate_needs_its_gpus_on_one_node(make):
@@ -136,6 +144,35 @@ def test_a_real_broker_answers_with_the_range(broker_factory):
     assert low <= queued["estimated_start"] <= high <= held["expires_at"]
     (entry,) = c.queue()
     assert entry["lease_id"] == queued["id"] and entry["estimated_start_range"] is not None
+
+
+def test_a_real_broker_says_the_same_words_in_the_view_and_the_queue(broker_factory):
+    """One estimate: the lease's view and GET /queue carry the broker's words for the one range."""
+    broker = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.default_idle_timeout_seconds=600",
+                                          "--LeasePolicy.pressure_idle_timeout_seconds=0"])
+    c = broker.client()
+    c.request_lease(1, heartbeat=False)
+    queued = c.request_lease(1, heartbeat=False)
+    (entry,) = c.queue()
+    view = c.lease(queued["id"])
+    assert view["estimate_text"] == entry["estimate_text"] == queued["estimate_text"]
+    assert view["estimate_text"].startswith(("in ", "within ")) and view["estimate_text"].endswith("min")
+    low, high = view["estimated_start_range"]
+    assert low < view["estimated_start"] < high
+
+
+def test_a_busy_lease_has_no_idle_countdown(broker_factory):
+    """A running cell's heartbeats keep its lease active: no idle deadline to count down to (it would be put off at
+    every beat); once it is idle (idle_mark_seconds after the last activity), the countdown is back."""
+    broker = broker_factory(gpus=1, args=["--tick=0.1", "--LeasePolicy.default_idle_timeout_seconds=600",
+                                          "--LeasePolicy.idle_mark_seconds=1"])
+    c = broker.client()
+    lease = c.request_lease(1, heartbeat=True)
+    assert lease["state"] == "granted" and lease["idle_deadline"] is not None  # not used yet: the clock runs
+    busy = c.heartbeat(lease["id"], active=True)
+    assert busy["state"] == "active" and busy["idle_deadline"] is None
+    idle = wait_for(lambda: (v := c.lease(lease["id"]))["state"] == "idle" and v, 10.0, "the lease marked idle")
+    assert idle["idle_deadline"] == pytest.approx(idle["last_activity"] + 600)
 
 
 def test_the_time_limit_bounds_a_holder_until_it_was_renewed(make):

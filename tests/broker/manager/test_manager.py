@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -224,7 +225,11 @@ def test_renew_within_and_beyond_maximum(make):
     assert a.expires_at == pytest.approx(clock.now() + 200)
     with pytest.raises(Forbidden) as e:
         m.renew(a.id, ALICE, "1h")
-    assert e.value.reason == "max_duration" and "max_duration_seconds" in e.value.message
+    assert e.value.reason == "max_duration"
+    # in durations and a time of day, never raw seconds or the option's name (the item 14)
+    msg = e.value.message
+    assert "5 min" in msg and "4 min more" in msg and "max_duration_seconds" not in msg and " s " not in msg
+    assert re.search(r"until \d\d:\d\d", msg), msg
     with pytest.raises(BadRequest):
         m.renew(a.id, ALICE, "soon")
 

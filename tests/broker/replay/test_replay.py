@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from traitlets.config import Config
 
 from benchmarks.overload_trace import generate
-from lease_broker.core.lease import LeaseState
+from lease_broker.core.lease import Lease, LeaseRequest, LeaseState
 from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.replay import (
     Cluster,
@@ -27,8 +28,9 @@ from lease_broker.replay import (
     summarize,
     tile,
 )
-from lease_broker.replay.accuracy import score
+from lease_broker.replay.accuracy import accuracy, score
 from lease_broker.replay.cli import main as replay_main
+from lease_broker.replay.model import Told
 from lease_broker.replay.report import describe
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -411,6 +413,37 @@ def test_replay_scores_the_estimate_each_queued_request_was_told(one_waits):
     assert a["time_limit"]["within_2x"] == 1.0 and a["time_limit"]["median_ratio"] == pytest.approx(710 / 650)
     assert a["estimate"]["with_estimate"] == 1  # a ran no cell before: the Lindy guess, about a minute
     assert a["estimate"]["median_ratio"] == pytest.approx((told.shown - told.lease.created_at) / 650)
+
+
+def test_coverage_counts_the_real_waits_inside_the_words_shown_and_their_width():
+    """The range as users read it: the words (rounded outward) hold the real wait or not; the width is the
+    words' upper end over their lower end, each floored at 30 s."""
+    def told(low, high, wait):
+        lease = Lease(id="x", user="u", uid=1, request=LeaseRequest(), state=LeaseState.QUEUED, created_at=0.0)
+        lease.granted_at = wait
+        return Told(lease, low, low, high, None)
+
+    a = accuracy([
+        told(70.0, 170.0, 175.0),  # "in 1–3 min": the words hold 175 s, though the range does not
+        told(0.0, 250.0, 20.0),  # "within 5 min": 20 s, floored to 30
+        told(600.0, 900.0, 2000.0),  # "in 10–15 min": far later, out
+        told(600.0, 900.0, 300.0),  # too early: out
+    ])
+    assert a["with_range"] == 4
+    assert a["in_words"] == 0.5 and a["in_range"] == 0.25
+    assert a["words_width"] == pytest.approx(statistics.median([180 / 60, 300 / 30, 900 / 600, 900 / 600]))
+
+
+def test_replay_coverage_of_the_shown_range(one_waits):
+    """On a small replay: b queues while a's first cell runs (no history: the Lindy guess, widened, "within
+    6 min"). With the default pressure idle timeout a's lease ends a minute after its cell and the words hold b's
+    wait; with it off, a's lease lingers its 10 min idle timeout, which no holder model foresaw: a miss."""
+    calm = LeasePolicy(config=Config(LeasePolicy=Config(pressure_idle_timeout_seconds=0)))
+    pressed = summarize(replay(one_waits, Cluster(1, 1), mode="lease", idle=600, estimates=True))["estimates"]
+    lingered = summarize(replay(one_waits, Cluster(1, 1), calm, mode="lease", idle=600, estimates=True))["estimates"]
+    assert pressed["with_range"] == lingered["with_range"] == 1
+    assert pressed["in_words"] == 1.0 and lingered["in_words"] == 0.0
+    assert 1.0 < pressed["words_width"] < 100.0  # a range, not "any time"
 
 
 def test_replay_limits_default_asks_for_the_policy_default(one_waits):

@@ -1,42 +1,38 @@
 """What a queued cell says while it waits (the text line outside a notebook, the widget's text inside one) and
-how the CLI and the kernel write a start estimate: one value when the broker is sure, a range when not."""
+how the CLI and the kernel show a start estimate: the broker's words (``estimate_text``), made once by the broker."""
 
 from __future__ import annotations
 
 import time
 
-import pytest
-
 from jupyter_gpulease.client import LeaseView
 from jupyter_gpulease.kernel.acquire import WaitDisplay
-from jupyter_gpulease.tables import fmt_eta, lease_text, queue_table
+from jupyter_gpulease.tables import lease_text, queue_table
 
 NOW = 10_000.0
 
 
-@pytest.mark.parametrize("start, span, text", [
-    (NOW + 200, None, "~3 min"),  # an old broker: no range
-    (NOW + 200, [NOW + 190, NOW + 215], "~3 min"),  # close: one value
-    (NOW + 150, [NOW + 60, NOW + 240], "~1–4 min"),
-    (NOW + 100, [NOW + 10, NOW + 300], "~0–5 min"),
-    (NOW + 10, [NOW, NOW + 40], "under a minute"),
-    (NOW + 5400, None, "~1.5 h"),
-    (NOW + 10800, [NOW + 3600, NOW + 18000], "~1–5 h"),
-    (NOW + 1800, [NOW + 600, NOW + 7200], "~10 min–2 h"),
-    (NOW + 90000, [NOW + 80000, NOW + 300000], "~22 h–3.5 d"),
-    (NOW - 30, [NOW - 60, NOW - 10], "under a minute"),  # overdue
-    (None, None, "?"),
-])
-def test_fmt_eta(start, span, text):
-    assert fmt_eta(start, span, NOW) == text
-
-
-def test_the_waiting_line_says_when_the_gpus_will_likely_come(capsys):
+def test_the_waiting_line_shows_the_brokers_words_for_why_and_when(capsys):
+    """The broker's ``wait.text`` and ``estimate_text`` as they are: the kernel formats no estimate of its own."""
     now = time.time()
-    lease = LeaseView(id="l-1", state="queued", position=2, estimated_start=now + 150,
-                      estimated_start_range=[now + 70, now + 240])
+    lease = LeaseView.from_json({
+        "id": "l-1", "state": "queued", "position": 2, "estimated_start": now + 150,
+        "estimated_start_range": [now + 70, now + 240], "estimate_text": "in 1–3 min",
+        "wait": {"reason": "gpus_busy", "text": "all 4 GPUs are busy: bob's 2 end in about 2 min"}})
     WaitDisplay("%%gpu 1").update(lease, 41.0)
-    assert capsys.readouterr().err.strip() == "⏳ %%gpu 1: queued, position 2, waited 41s, estimated start in ~1–4 min"
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("⏳ %%gpu 1: queued, position 2, waited 41s"), line
+    assert "estimated start in 1–3 min" in line and "bob's 2 end in about 2 min" in line, line
+    assert "~1–4 min" not in line  # not the kernel's own formatting of the range
+
+
+def test_a_lease_that_ended_is_said_in_the_brokers_words():
+    from jupyter_gpulease.kernel.acquire import ended_text
+
+    view = LeaseView.from_json({"id": "l-1", "state": "revoked", "reason": "idle_pressure",
+                                "reason_text": "revoked: idle for 10 min while others waited"})
+    assert ended_text(view) == "revoked: idle for 10 min while others waited"
+    assert ended_text(LeaseView(id="l-2", state="cancelled", reason="cancelled")) == "cancelled"  # an older broker
 
 
 def test_the_waiting_line_without_an_estimate_says_nothing_of_one(capsys):
@@ -44,20 +40,23 @@ def test_the_waiting_line_without_an_estimate_says_nothing_of_one(capsys):
     assert capsys.readouterr().err.strip() == "⏳ %%gpu 1: queued, position 1, waited 3.0s"
 
 
-def test_the_queue_table_shows_the_range():
+def test_the_queue_table_shows_the_brokers_estimate_and_why():
     now = time.time()
     row = {"position": 1, "user": "bob", "lease_id": "l-1", "min_gpus": 1, "max_gpus": 1, "fraction": 1.0,
            "priority": "normal", "waited_seconds": 30.0, "estimated_start": now + 150,
-           "estimated_start_range": [now + 70, now + 240]}
-    assert queue_table([row]).splitlines()[1].split()[-2:] == ["~1–4", "min"]
+           "estimated_start_range": [now + 70, now + 240], "estimate_text": "in 1–3 min",
+           "wait": {"reason": "gpus_busy", "text": "all 4 GPUs are busy"}}
+    line = queue_table([row]).splitlines()[1]
+    assert "in 1–3 min" in line and line.endswith("all 4 GPUs are busy") and "~1–4" not in line
 
 
 def test_show_says_when_a_queued_lease_will_likely_start():
-    lease = LeaseView(id="l-1", state="queued", user="bob", created_at=NOW - 30, position=1,
-                      estimated_start=NOW + 600, estimated_start_range=[NOW + 300, NOW + 1500])
+    lease = LeaseView.from_json({"id": "l-1", "state": "queued", "user": "bob", "created_at": NOW - 30,
+                                 "position": 1, "estimated_start": NOW + 600,
+                                 "estimated_start_range": [NOW + 300, NOW + 1500], "estimate_text": "in 5–25 min"})
     rows = {line.split()[0]: line.split(None, 1)[1] for line in lease_text(lease, [], now=NOW).splitlines()[:9]
             if line.strip()}
-    assert rows["starts"] == "in ~5–25 min"
+    assert rows["starts"] == "in 5–25 min"
 
 
 def test_a_request_that_queues_lets_this_kernels_held_back_release_go_at_once(broker_factory, capsys):
