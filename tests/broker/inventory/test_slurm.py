@@ -353,9 +353,12 @@ def test_kernel_death_ends_the_step(cluster: LocalSlurmCluster, broker: BrokerPr
         partial = k.collect(msg_id, timeout=60, until=lambda outs: any(
             "worker " in o["content"].get("text", "") for o in outs))
         pid = int(partial.stdout.split("worker ")[1].split()[0])
+        lease = next(v for v in client.leases() if v["state"] not in ENDED)
+        job = _job(cluster, lease)
         k.kill9()
         wait_for(lambda: not waiting.process_alive(pid), timeout=10, what="the worker to die with its kernel (its lifeline)")
-        job = _job(cluster, next(v for v in client.leases() if v["state"] not in ENDED))
+        # the broker watches the kernel's process: its lease ends at once, not after the heartbeat timeout
+        wait_for(lambda: client.lease(lease["id"])["reason"] == "holder_exited", timeout=5, what="the lease ended")
         wait_for(lambda: "gpulease-cell" not in cluster.run("squeue", "--steps", "--noheader",
                                                             f"--jobs={job['id']}", "--format=%j"),
                  timeout=10, what="the step to end")

@@ -348,8 +348,11 @@ def test_broker_refuses_a_socket_or_store_in_another_users_directory(tmp_path: P
     b = BrokerProcess(tmp_path / "b", gpus=1, socket_path=str(d / "b.sock") if what == "socket" else None)
     if what == "store":
         b.db = str(d / "leases.db")
-    with pytest.raises(RuntimeError) as e:
-        b.start()
+    try:
+        with pytest.raises(RuntimeError) as e:
+            b.start()
+    finally:
+        b.stop()  # a broker that started anyway (the attack worked) is not left running
     (line,) = [x for x in str(e.value).splitlines() if x.startswith("lease-broker:")]
     target = str(d / ("b.sock" if what == "socket" else "leases.db"))
     assert "Traceback" not in str(e.value)
