@@ -56,10 +56,12 @@ def holder_view(lease: Lease, watched: bool, alive: bool, now: float, heartbeat_
 
 def idle_countdown(lease: Lease, timeout: float, now: float, idle_mark: float) -> float | None:
     """When a holding lease would be revoked for idleness (``idle_deadline``), or None while it is busy: active,
-    with activity (a running cell's heartbeats) within ``idle_mark`` seconds, so no countdown runs toward a
-    revocation that its next beat would put off. The enforcer revokes a lease only once it has been without
-    activity for its timeout, so the countdown shows for the last ``timeout - idle_mark`` seconds before it."""
-    if lease.state == LeaseState.ACTIVE and now - lease.last_activity < min(idle_mark, timeout):
+    with activity (a running cell's heartbeats) within ``idle_mark`` seconds or half its timeout, whichever is less,
+    so no countdown runs toward a revocation that its next beat would put off. The enforcer revokes a lease only once
+    it has been without activity for its timeout, so the countdown shows for at least the last half of it (a session
+    with a 3 s idle timeout is warned in its last 1.5 s: a kernel beats at a quarter of the timeout while a cell
+    runs)."""
+    if lease.state == LeaseState.ACTIVE and now - lease.last_activity < min(idle_mark, timeout / 2):
         return None
     return lease.last_activity + timeout
 
