@@ -110,8 +110,11 @@ def run(opts: Any) -> list[Figure]:
         [float(sum(b["answers_5xx"] + b["tracebacks"] + b["crashed"] for b in brokers))], "none", [],
         bar=("max", "<=", 0.0),
         note=f"over the {len(brokers)} real broker processes the attack tests started: "
-             f"{sum(b['answers_5xx'] for b in brokers)} answers 5xx, {sum(b['tracebacks'] for b in brokers)} "
-             f"tracebacks logged, {sum(b['crashed'] for b in brokers)} brokers that died by themselves"))
+             f"{sum(b['answers_5xx'] for b in brokers)} answers 5xx other than 503, "
+             f"{sum(b['tracebacks'] for b in brokers)} tracebacks logged, {sum(b['crashed'] for b in brokers)} "
+             f"brokers that died by themselves; {sum(b.get('answers_503', 0) for b in brokers)} answers 503, each "
+             "the designed answer while the Hub or the store is away ("
+             + ", ".join(sorted({b['test'].split('::')[-1] for b in brokers if b.get('answers_503')})) + ")"))
     fuzz_ok = fuzzed["returncode"] == 0
     figures.append(figure(
         "fuzzer inputs (schemathesis, from the OpenAPI document)", "requests", [float(fz.get("inputs", 0))],

@@ -28,6 +28,8 @@ from jupyter_gpulease.client import BrokerClient, BrokerError
 from lease_broker.core.errors import TooManyRequests
 from lease_broker.policy.lease_policy import LeasePolicy
 
+pytestmark = pytest.mark.attack  # each test is an attack that must fail (BENCHMARKS.md: Reliability)
+
 NOFILE = 256  # the broker's limit of open files: 256 - 96 kept for itself = 160 connections, 80 per peer
 FLOOD = 300
 INFO = b"GET /api/v1/info HTTP/1.1\r\nHost: localhost\r\n\r\n"

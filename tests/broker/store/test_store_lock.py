@@ -14,6 +14,8 @@ from broker_process import BrokerProcess
 
 from lease_broker.store.lock import StoreLock, StoreLocked
 
+pytestmark = pytest.mark.attack  # each test is an attack that must fail (BENCHMARKS.md: Reliability)
+
 
 def test_a_second_broker_on_the_same_store_refuses_to_start_naming_the_first(tmp_path: Path) -> None:
     first = BrokerProcess(tmp_path / "first", gpus=2).start()
