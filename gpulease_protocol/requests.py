@@ -60,6 +60,21 @@ def parse_size(value: Any, what: str = "size") -> int:
     raise RequestSyntaxError(f"Invalid {what} {value!r}: give bytes or a string like '16G'")
 
 
+def format_size(n: float) -> str:
+    """Bytes in binary units, the one way every client writes a size: ``"0 B"``, ``"512 B"``, ``"1.5 KiB"``,
+    ``"40.0 GiB"`` (one decimal from KiB up; ``parse_size`` reads each back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_gpus(n: float) -> str:
+    """A number of GPUs with its noun: ``"1 GPU"``, ``"2 GPUs"``, ``"0.5 GPU"`` (a share of one), ``"0 GPUs"``."""
+    return f"{n:g} GPU" + ("" if 0 < n <= 1 else "s")
+
+
 def parse_gpu_type(value: Any, what: str = "gpu_type") -> str:
     """A GPU type as a request names it: a model (``H100``), a configured type (``A100-40GB``), a MIG profile
     (``1g.10gb``) or a device name (``NVIDIA H100 80GB HBM3``); ``""`` means any."""

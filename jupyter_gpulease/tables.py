@@ -7,15 +7,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gpulease_protocol.requests import format_gpus, format_size
+
 from .client import LeaseView
 
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+fmt_bytes = format_size  # the one size formatter, shared with the worker's notes
+fmt_gpus = format_gpus  # "1 GPU", "2 GPUs"
 
 
 def fmt_duration(seconds: float) -> str:
@@ -195,7 +192,10 @@ def quota_table(quota: Mapping[str, Any], now: float | None = None) -> str:
     def amount(x: float | None, unit: str) -> str:
         if x is None:
             return "no limit"
-        return f"{x:g} GPU" + ("s" if x != 1 else "") if unit == "gpus" else f"{x:.2f} GPU-hours"
+        if unit == "gpus":
+            return fmt_gpus(x)
+        hours = f"{x:.2f}".rstrip("0").rstrip(".")
+        return f"{hours} GPU-hour" + ("" if hours == "1" else "s")
 
     rows = []
     for q in quota["limits"]:

@@ -58,3 +58,58 @@ def test_chargeback_by_label_runs_as_the_admin_guide_says(broker) -> None:
     helped = subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", "request", "--help"],
                             capture_output=True, text=True, env=env, timeout=60)
     assert helped.returncode == 0 and "--label" not in helped.stdout
+
+
+def _gpulease(args: list[str], url: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "GPULEASE_BROKER": url}, timeout=60)
+
+
+def test_the_readme_broker_tour_runs_as_written(broker) -> None:
+    """Every ``gpulease`` line of the README's "broker in 30 seconds" runs against a broker started as it says (4
+    simulated GPUs), the release with the id its first request printed; each says what its comment promises."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## The broker in 30 seconds", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "lease-broker --inventory=simulated --gpus=4" in block
+    lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines() if ln.startswith("gpulease ")]
+    assert len(lines) >= 5, block
+    first = ""
+    for line in lines:
+        args = shlex.split(line)[1:]
+        if args[0] == "release":
+            assert first, "the tour releases before it requests"
+            args[1] = first
+        out = _gpulease(args, broker.url)
+        assert out.returncode == 0, f"{line}: {out.stdout}{out.stderr}"
+        if args[0] == "request":
+            assert " granted\n" in out.stdout and "idle: revoked after" in out.stdout, out.stdout  # the rules it cites
+            first = first or out.stdout.split()[0]
+        if args[0] == "quota":
+            assert "GPU" in out.stdout, out.stdout
+    assert "1 min while someone else's request waits" in readme  # the CLI's pressure rule, as request prints it
+
+
+def test_the_guide_names_only_commands_and_options_the_cli_has(broker) -> None:
+    """The user guide's ``gpulease`` table: each command is one of ``gpulease -h``'s, each request option is one of
+    ``gpulease request -h``'s and every one of those is in the table; the wait line's words are the broker's."""
+    from lease_broker.core.estimate import wait_words
+
+    guide = (ROOT / "docs" / "user-guide.md").read_text()
+    cli = guide.split("## `gpulease` (command line)", 1)[1].split("\n## ", 1)[0]
+    top = _gpulease(["--help"], broker.url).stdout
+    commands = set(re.findall(r"\{([a-z,]+)\}", top)[0].split(","))
+    named = set(re.findall(r"^\| `gpulease ([a-z]+)", cli, flags=re.M))
+    assert named and named - commands == set(), named - commands
+    row = next(ln for ln in cli.splitlines() if ln.startswith("| `gpulease request"))
+    documented = set(re.findall(r"--[a-z][a-z-]*", row))
+    real = set(re.findall(r"--[a-z][a-z-]*", _gpulease(["request", "--help"], broker.url).stdout)) - {"--help"}
+    assert documented == real, (documented ^ real)
+    for words, (low, high) in {"in 1–4 min": (60, 240), "within 6 min": (0, 360), "in about 20 min": (1200, 1200),
+                               "in under a minute": (0, 50)}.items():
+        assert f"`{words}`" in guide or f"estimated start {words}" in guide, words
+        assert wait_words(low, high).text == words
+    assert "~" not in re.findall(r"estimated start [^`]*", guide)[0]

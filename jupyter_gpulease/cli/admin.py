@@ -23,7 +23,7 @@ import urllib.parse
 from typing import Any
 
 from ..client import BrokerClient
-from ..tables import fmt_bytes, local_time, reservations_table, table, usage_csv
+from ..tables import fmt_bytes, fmt_gpus, local_time, reservations_table, table, usage_csv
 
 
 def _value(text: str) -> Any:
@@ -138,7 +138,7 @@ def _reserve(c: BrokerClient, args: argparse.Namespace) -> Any:
     r = c.request("POST", "/api/v1/reservations", body)
     if args.json:
         return r
-    return (f"{r['id']}: {r['gpus']} GPU{'s' if r['gpus'] != 1 else ''} for {r['user'] or '@' + r['group']} "
+    return (f"{r['id']}: {fmt_gpus(r['gpus'])} for {r['user'] or '@' + r['group']} "
             f"from {local_time(r['start'])} to {local_time(r['end'])}")
 
 

@@ -9,6 +9,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpulease_protocol.requests import format_size
+
 from ..worker.transfer import approx_size
 
 # Never sent implicitly: IPython's own names and anything that looks like a credential.
@@ -113,7 +115,7 @@ def select_inputs(code: str, user_ns: dict[str, Any], explicit: list[str] | None
             continue
         n = approx_size(value, auto_max_bytes)
         if n > auto_max_bytes:
-            sel.skipped[name] = f"~{n >> 20} MiB is over GpuMagics.auto_max_bytes; pass it with --in"
+            sel.skipped[name] = f"~{format_size(n)} is over GpuMagics.auto_max_bytes; pass it with --in"
             continue
         sel.send[name] = value
     return sel

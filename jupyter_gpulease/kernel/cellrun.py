@@ -378,13 +378,13 @@ class LeaseRun:
 def summary_line(outcome: Outcome, failed: str = "", not_back: bool = False) -> str:
     """The one line after a cell: lease, GPUs, wall time, time queued, artifacts. ``failed``: the error's type;
     ``not_back``: the cell's code succeeded but its results could not come back (the error says which)."""
-    from ..tables import fmt_duration
+    from ..tables import fmt_duration, fmt_gpus
 
     lease = outcome.lease
     devs = lease.devices
     what = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in devs) or "-"
     frac = lease.fraction or 1.0
-    n = f"{frac:g} GPU" if frac < 1 else f"{len(devs)} GPU{'s' if len(devs) != 1 else ''}"
+    n = fmt_gpus(frac if frac < 1 else len(devs))
     sim = " (simulated)" if lease.simulated else ""
     if not_back:
         ran = f"ran {fmt_duration(outcome.wall)}, results not brought back"

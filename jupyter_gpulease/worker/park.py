@@ -24,6 +24,7 @@ import sys
 import time
 
 from gpulease_protocol.private import UnsafePathError, create_private, open_private, private_dir
+from gpulease_protocol.requests import format_size
 
 from . import transfer
 
@@ -126,7 +127,6 @@ def restore(to: str) -> dict[str, Any]:
     except Exception as e:
         raise RestoreError(f"could not load the session's parked variables: {type(e).__name__}: {e}") from e
     n, size = len(values), manifest["nbytes"]
-    size_text = f"{size / (1 << 30):.1f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
-    sys.stdout.write(f"gpulease: the session's {n} parked variable{'s' if n != 1 else ''} ({size_text}) are back, "
-                     f"in {time.monotonic() - t0:.2f} s\n")
+    what = f"{n} parked variable{'s' if n != 1 else ''} ({format_size(size)}) {'is' if n == 1 else 'are'}"
+    sys.stdout.write(f"gpulease: the session's {what} back, in {time.monotonic() - t0:.2f} s\n")
     return values

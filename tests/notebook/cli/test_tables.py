@@ -49,3 +49,35 @@ def test_a_reserved_gpu_says_until_when_with_its_day(berlin):
            "utilization": 0, "holders": [], "state": "reserved",
            "reservation": {"user": "alice", "group": None, "end": local(2026, 11, 27, 17, 0)}}
     assert "reserved (alice until Fri 17:00)" in gpus_table([gpu], now=local(*NOW))
+
+
+# One unit style for the same data: sizes in binary units from one function (the CLI's tables, the kernel's notes
+# and the worker's), GPU counts with their noun in the singular for one GPU or a share of one.
+
+def test_sizes_are_binary_units_from_one_function():
+    from gpulease_protocol.requests import format_size, parse_size
+    from jupyter_gpulease.tables import fmt_bytes
+
+    assert fmt_bytes is format_size
+    assert [format_size(n) for n in (0, 512, 1536, 300 << 20, 40 << 30, 3 << 40)] == [
+        "0 B", "512 B", "1.5 KiB", "300.0 MiB", "40.0 GiB", "3.0 TiB"]
+    assert parse_size(format_size(40 << 30).replace(" ", "")) == 40 << 30
+
+
+def test_an_auto_input_too_large_is_named_in_the_same_units():
+    from jupyter_gpulease.kernel.cellcode import select_inputs
+
+    sel = select_inputs("y = x + 1", {"x": b"\0" * (3 << 20)}, None, 1 << 20)
+    assert "x" in sel.skipped and "3.0 MiB" in sel.skipped["x"], sel.skipped
+
+
+def test_gpu_counts_say_gpu_for_one_and_gpus_for_more():
+    from jupyter_gpulease.tables import fmt_gpus, quota_table
+
+    assert [fmt_gpus(n) for n in (0, 0.5, 1, 2)] == ["0 GPUs", "0.5 GPU", "1 GPU", "2 GPUs"]
+    text = quota_table({"user": "ann", "limits": [
+        {"text": "at once", "unit": "gpus", "used": 1, "limit": 2},
+        {"text": "daily", "unit": "gpu_hours", "used": 1.0, "limit": 8.0},
+        {"text": "daily", "unit": "gpu_hours", "used": 0.5, "limit": None}]})
+    assert "1 GPU " in text and "1 GPU-hour " in text and "7 GPU-hours" in text and "0.5 GPU-hours" in text, text
+    assert "1.00" not in text and "1 GPUs" not in text, text
