@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import os
 import pty
-import select
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,30 +19,11 @@ from kernels import Kernel
 from lab_server import LabServer
 from waiting import process_alive, wait_for
 
+from benchmarks.holders import ExitClock  # the kernel's exit, seen through a pidfd (one definition)
+
 #: the bar of issue 31: a kernel's leases end within this many seconds of the kernel's end (on the broker's host)
 WITHIN = 1.0
 ENDED = ("released", "revoked", "expired", "failed", "cancelled")
-
-
-class ExitClock:
-    """The wall-clock time process ``pid`` exits, seen through a pidfd the moment it does (not a poll)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.fd = os.pidfd_open(pid)
-        self.at: float | None = None
-        self._thread = threading.Thread(target=self._wait, name=f"exit-{pid}", daemon=True)
-        self._thread.start()
-
-    def _wait(self) -> None:
-        select.select([self.fd], [], [])
-        self.at = time.time()
-        os.close(self.fd)
-
-    def wait(self, timeout: float) -> float:
-        self._thread.join(timeout)
-        assert self.at is not None, f"process {self.pid} did not exit within {timeout} s"
-        return self.at
 
 
 @pytest.fixture

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from kernels import Kernel
 from waiting import process_alive, wait_for
 
@@ -22,25 +20,6 @@ def _wait_ended(client, lease_id: str, timeout: float) -> dict:  # type: ignore[
 
     return wait_for(ended, timeout, f"lease {lease_id} to end")  # type: ignore[no-any-return]
 
-
-
-@pytest.fixture
-def kernel_factory(tmp_path: Path) -> Iterator:
-    started: list[Kernel] = []
-
-    def make(broker, **env: str) -> Kernel:  # type: ignore[no-untyped-def]
-        k = Kernel(broker.url, str(tmp_path / "artifacts"), env)
-        started.append(k)
-        return k
-
-    yield make
-    for k in started:
-        k.stop()
-
-
-@pytest.fixture
-def kernel(broker, kernel_factory) -> Kernel:  # type: ignore[no-untyped-def]
-    return kernel_factory(broker)
 
 
 def _holding(client) -> list[dict]:  # type: ignore[no-untyped-def]

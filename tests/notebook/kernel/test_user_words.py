@@ -4,31 +4,11 @@ answered with the right one, ``%gpu jobs`` naming a running job's lease."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kernels import Kernel
 from waiting import wait_for
-
-
-@pytest.fixture
-def kernel_factory(tmp_path: Path) -> Iterator:
-    started: list[Kernel] = []
-
-    def make(url: str) -> Kernel:
-        k = Kernel(url, str(tmp_path / "artifacts"))
-        started.append(k)
-        return k
-
-    yield make
-    for k in started:
-        k.stop()
-
-
-@pytest.fixture
-def kernel(broker, kernel_factory) -> Kernel:  # type: ignore[no-untyped-def]
-    return kernel_factory(broker.url)
 
 
 def test_an_unpicklable_out_names_the_variable_and_the_cell_did_not_fail(kernel: Kernel) -> None:
