@@ -145,3 +145,16 @@ def raw_request(sock_path: str, data: bytes) -> tuple[int, dict]:
     s.close()
     head, _, body = buf.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a broker's --port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def issue_token(db: str, user: str, *args: str) -> str:
+    """A broker token for ``user`` (``lease-broker token create``; ``args``: e.g. ``--admin``) in the store ``db``."""
+    return subprocess.run([sys.executable, "-m", "lease_broker", "token", "create", user, *args, f"--db={db}"],
+                          capture_output=True, text=True, check=True).stdout.strip()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from broker_process import free_port
 from users import as_user, second_user  # noqa: F401  (fixture)
 from waiting import wait_for
 
@@ -272,16 +273,10 @@ def _token(db: str, user: str, cwd: Path) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_metrics_over_tcp_need_a_token_and_over_the_socket_do_not(tmp_path: Path) -> None:
     from broker_process import BrokerProcess, scrape_metrics
 
-    port = _free_port()
+    port = free_port()
     b = BrokerProcess(tmp_path / "tcp", gpus=2, args=["--tick=0.1", f"--port={port}"])
     token = _token(b.db, "prometheus", b.workdir)
     b.start()

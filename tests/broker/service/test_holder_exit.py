@@ -7,14 +7,13 @@ import getpass
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import time
 
 import pytest
-from broker_process import scrape_metrics
+from broker_process import free_port, issue_token, scrape_metrics
 from waiting import process_alive, wait_for
 
 from jupyter_gpulease.client import BrokerClient
@@ -173,12 +172,9 @@ def test_a_recycled_pid_is_not_the_holder(broker_factory, holders):
 
 
 def test_over_tcp_the_field_is_accepted_and_the_heartbeat_stays_the_bound(broker_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     broker = broker_factory(gpus=2, args=["--tick=0.1", f"--port={port}"])
-    token = subprocess.run([sys.executable, "-m", "lease_broker", "token", "create", "carol", f"--db={broker.db}"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    token = issue_token(broker.db, "carol")
     lease = BrokerClient(f"http://127.0.0.1:{port}", token=token).request_lease(1, **ENDS_WITH_ME)
     assert lease["state"] == "granted"
     assert lease["holder"]["pid"] is None and not lease["holder"]["watched"]

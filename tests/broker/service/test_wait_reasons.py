@@ -5,12 +5,12 @@ clients of several users (bearer tokens over TCP), the answers of ``GET /leases/
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from broker_process import free_port, issue_token
 from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
@@ -28,14 +28,11 @@ time.sleep(60)
 
 def _broker(broker_factory, gpus: int = 1, args: tuple[str, ...] = (), nodes: int = 1):
     """A broker on its socket (root: an admin) and on TCP, with clients for alice and bob (tokens)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     b = broker_factory(gpus=gpus, nodes=nodes, args=["--tick=0.1", f"--port={port}", *args])
 
     def client(user: str) -> BrokerClient:
-        token = subprocess.run([sys.executable, "-m", "lease_broker", "token", "create", user, f"--db={b.db}"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        token = issue_token(b.db, user)
         return BrokerClient(f"http://127.0.0.1:{port}", token=token)
 
     return b.client(), client("alice"), client("bob")
