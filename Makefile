@@ -12,14 +12,15 @@ HUB_PROXY := .hub-proxy/node_modules/.bin/configurable-http-proxy
 DEMO_DIR ?= $(CURDIR)/.demo
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint bench soak system-deps venv clean help
+.PHONY: demo test lint ts-check screenshots bench soak system-deps venv clean help
 
 help:
 	@echo "make demo   - broker with 4 simulated GPUs + JupyterLab with the extension and a demo notebook"
-	@echo "make test   - lint, type-check and run the whole test suite"
+	@echo "make test   - lint, type-check, the sidebar's lint and unit tests, and the whole test suite"
 	@echo "make bench  - run the benchmarks and rewrite BENCHMARKS.md"
 	@echo "make soak   - 1,000 clients for 60 s, %%gpu soak, faults, security, fuzzing: BENCHMARKS.md figures"
 	@echo "make lint   - ruff, mypy and the architecture contracts (import-linter)"
+	@echo "make screenshots - the docs' pictures of the sidebar, taken from the real UI by a browser test"
 
 venv: $(STAMP)
 
@@ -58,8 +59,18 @@ lint: $(STAMP)
 $(HUB_PROXY):
 	npm install --silent --no-audit --no-fund --prefix .hub-proxy configurable-http-proxy@5
 
-test: $(STAMP) system-deps $(HUB_PROXY) lint
+test: $(STAMP) system-deps $(HUB_PROXY) lint ts-check
 	$(BIN)/python -m pytest
+
+# The sidebar's linter (eslint, typescript-eslint) and unit tests (node --test over tsc's output), deps from its lockfile
+ts-check: $(STAMP)
+	cd labextension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install --immutable >/dev/null && \
+		PATH="$(CURDIR)/$(BIN):$$PATH" jlpm lint && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm test
+
+# The docs' pictures of the sidebar (the README's), taken by the browser tests from the real UI
+screenshots: $(STAMP) system-deps
+	GPULEASE_UPDATE_DOCS_IMAGES=1 $(BIN)/python -m pytest -q -p no:randomly \
+		tests/test_browser.py::test_gpu_cell_run_from_the_ui_shows_in_the_sidebar
 
 # the peers the cell benchmark measures beside %%gpu (ipyparallel; Ray comes with the ray extra)
 BENCH_STAMP := $(VENV)/.bench-stamp

@@ -66,11 +66,21 @@ def wait_until(condition, timeout: float = 30.0) -> bool:
 
 
 def open_panel(page, lab: LabServer) -> None:
-    from playwright.sync_api import expect
 
     page.goto(f"{lab.url}/lab?token={lab.token}")
     page.wait_for_selector("#jupyterlab-splash", state="detached")
-    page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
+    show_panel(page)
+
+
+def show_panel(page) -> None:
+    """Show the sidebar: its tab is clicked only when it is not shown yet (the ``openAtStart`` setting may have
+    opened it already, and a click on the tab of a shown panel collapses it)."""
+    from playwright.sync_api import expect
+
+    tab = page.locator('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
+    expect(tab).to_be_visible()
+    if not page.locator("#gpulease-panel").is_visible():
+        tab.click()
     expect(page.locator("#gpulease-panel")).to_be_visible()
 
 
@@ -91,6 +101,14 @@ def toast(page, text: str):
     return page.locator(".Toastify__toast", has_text=text)
 
 
-def screenshot(page, name: str) -> None:
+#: ``make screenshots`` sets it: the browser tests also write the pictures the docs show (``docs=``), from the real UI
+DOCS_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+
+
+def screenshot(page, name: str, docs: str = "") -> None:
+    """A picture of the page in the test artifacts; with ``docs`` and GPULEASE_UPDATE_DOCS_IMAGES=1, also the docs'
+    picture of that name (the README's sidebar)."""
+    if docs and os.environ.get("GPULEASE_UPDATE_DOCS_IMAGES") == "1":
+        page.screenshot(path=str(DOCS_IMAGES / docs))
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / name))

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from browser_support import ARTIFACTS, card, chromium_missing, open_panel, status_item, wait_until
+from browser_support import ARTIFACTS, card, chromium_missing, open_panel, screenshot, status_item, wait_until
 
 if why := chromium_missing():
     pytest.skip(why, allow_module_level=True)
@@ -110,8 +110,7 @@ def test_gpu_cell_run_from_the_ui_shows_in_the_sidebar(lab, page, client):
 
     yours = page.locator('#gpulease-panel .jp-GpuLease-card[data-state="yours"]')
     expect(yours).to_have_count(1)  # while the cell runs, its GPU is yours
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "gpu-cell-running.png"))
+    screenshot(page, "gpu-cell-running.png", docs="sidebar.png")  # the README's picture (make screenshots)
     expect(page.locator(".jp-OutputArea-output", has_text="done on gpu")).to_be_visible()
     expect(yours).to_have_count(0)  # and free again when it ends
     expect(page.locator('#gpulease-panel .jp-GpuLease-card[data-state="free"]')).to_have_count(4)
@@ -142,7 +141,7 @@ def test_expiry_warning_notifies_with_an_extend_action(lab, page, client):
     before = client.lease(lease["id"])["expires_at"]
     toast.get_by_role("button", name="Extend").click()
     page.locator(".jp-Dialog").get_by_role("button", name="+1 h").click()  # the same choices as the panel's Extend
-    expect(page.locator(".Toastify__toast", has_text=f"Lease {lease['id']} extended by 1h 00m")).to_be_visible()
+    expect(page.locator(".Toastify__toast", has_text=f"Lease {lease['id']} extended by 1 h")).to_be_visible()
     assert client.lease(lease["id"])["expires_at"] == pytest.approx(before + 3600)
 
 

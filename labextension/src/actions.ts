@@ -5,7 +5,7 @@
 
 import { Dialog, InputDialog, Notification, showDialog } from '@jupyterlab/apputils';
 
-import { ILease } from './api';
+import { ILease } from './leaseView';
 import { formatClock, formatDuration, parseDuration } from './format';
 import { GpuLeaseModel } from './model';
 
@@ -13,10 +13,7 @@ const AUTO_CLOSE_MS = 6000;
 const ERROR_CLOSE_MS = 10000;
 
 /** The Extend choices, when the policy leaves room for them. */
-export const EXTEND_CHOICES: { label: string; seconds: number }[] = [
-  { label: '+15 min', seconds: 15 * 60 },
-  { label: '+1 h', seconds: 3600 }
-];
+export const EXTEND_CHOICES = [15 * 60, 3600].map(seconds => ({ label: `+${formatDuration(seconds)}`, seconds }));
 const CUSTOM = 'Custom…';
 
 function gpusOf(l: ILease): string {
@@ -48,8 +45,8 @@ async function report<T>(work: Promise<T>, done: (result: T) => string, failed: 
     const result = await work;
     Notification.success(done(result), { autoClose: AUTO_CLOSE_MS });
     return result;
-  } catch (error: any) {
-    Notification.error(`${failed}: ${error?.message ?? error}`, { autoClose: ERROR_CLOSE_MS });
+  } catch (error) {
+    Notification.error(`${failed}: ${error instanceof Error ? error.message : error}`, { autoClose: ERROR_CLOSE_MS });
     return null;
   }
 }
@@ -150,7 +147,7 @@ async function askDuration(l: ILease, room: number): Promise<number | null> {
   }
   const typed = (result.value ?? '').trim();
   const seconds = parseDuration(typed);
-  if (seconds === null) {
+  if (!seconds) {
     Notification.error(`Lease ${l.id} not extended: "${typed}" is not a duration; give e.g. 30m, 2h or 1h30m.`, {
       autoClose: ERROR_CLOSE_MS
     });

@@ -1,6 +1,8 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
+import { ILease, IWait } from './leaseView';
+
 /** An error answer of the server extension or the broker: `{status, reason, message}`. */
 export class GpuLeaseError extends Error {
   constructor(
@@ -26,7 +28,7 @@ export async function requestAPI<T>(
     throw new GpuLeaseError(0, 'network', `Jupyter server unreachable: ${error}`);
   }
   const text = await response.text();
-  let data: any = {};
+  let data: { reason?: string; message?: string } = {};
   if (text) {
     try {
       data = JSON.parse(text);
@@ -41,7 +43,7 @@ export async function requestAPI<T>(
       data.message ?? `HTTP ${response.status}`
     );
   }
-  return data as T;
+  return data as unknown as T;
 }
 
 /** The websocket URL of the event relay, with the token when the server expects it in the URL. */
@@ -96,61 +98,6 @@ export interface IInfo {
   inventory?: unknown;
 }
 
-export interface ILease {
-  id: string;
-  user: string;
-  state: string;
-  reason: string | null;
-  created_at: number;
-  granted_at: number | null;
-  expires_at: number | null;
-  devices: { id: string; index: number; node: string; name: string }[];
-  duration_seconds: number;
-  idle_timeout_seconds: number;
-  idle_deadline: number | null;
-  /** The latest end a renewal may reach under the policy (holding leases). */
-  max_expires_at?: number | null;
-  /** Processes attached to the lease (a %%gpu cell's worker while it runs). */
-  pids: number[];
-  position: number | null;
-  /** A queued lease's likely start (epoch seconds), and [low, high] when the broker says how unsure it is. */
-  estimated_start: number | null;
-  estimated_start_range?: [number, number] | null;
-  /** The broker's words for a queued lease's start ("in 1–3 min", "unknown"): shown as is, never re-derived. */
-  estimate_text?: string | null;
-  /** Why a queued lease waits, in the broker's words (`reason` a slug for scripts). */
-  wait?: IWait | null;
-  /** Why an ended lease ended, as a sentence ("revoked: idle for 10 min while others waited"). */
-  reason_text?: string | null;
-  min_gpus: number;
-  max_gpus: number;
-  fraction: number;
-  labels: Record<string, string>;
-  /** What it used (from the broker's samples; null before it was granted). */
-  usage?: ILeaseUsage | null;
-  /** Who holds it, in the broker's words: its holder process (a kernel), or its heartbeats. */
-  holder?: ILeaseHolder | null;
-}
-
-/** A lease's holder: the kernel process it ends with (pid), or none (heartbeats); `alive` false while a holder that
- * is gone (or silent) still holds it, until the broker ends it; `text` says so in words. */
-export interface ILeaseHolder {
-  pid: number | null;
-  watched: boolean;
-  alive: boolean;
-  text: string;
-}
-
-/** A lease's usage figures: bytes and percent; null where not measured. */
-export interface ILeaseUsage {
-  samples: number;
-  peak_memory: number | null;
-  held_memory: number;
-  mean_utilization: number | null;
-  peak_utilization: number | null;
-  source: 'process' | 'device' | null;
-}
-
 export interface IQueueEntry {
   position: number;
   lease_id: string | null;
@@ -171,19 +118,12 @@ export interface IQueueEntry {
   wait?: IWait | null;
 }
 
-/** Why a queued request waits: a slug (gpus_busy, quota, budget, reservation, whole_node, no_gpu_type, fair_share,
- * priority, queue) and the broker's words for it. */
-export interface IWait {
-  reason: string;
-  text: string;
-}
-
 export interface IArtifact {
   lease_id: string;
   path: string;
   relative_path: string | null;
   modified: number;
-  meta: Record<string, any> | null;
+  meta: Record<string, unknown> | null;
   files: string[];
 }
 
@@ -196,8 +136,23 @@ export interface IGpuSample {
   memory_used: number;
 }
 
+/** A broker event as the relay sends it: its type and the fields the sidebar reads (each type carries some). */
 export interface IEvent {
   schema: string;
   type: string;
-  [key: string]: any;
+  /** `lease` events: the lease's view after the change, the change and the state before it. */
+  lease?: ILease;
+  change?: string;
+  previous?: string | null;
+  /** The user the event is about (leases and warnings). */
+  user?: string | null;
+  /** Warnings and preemptions: the lease, when it happens, the warning's kind and words, the preempting class. */
+  lease_id?: string;
+  deadline?: number;
+  kind?: string;
+  message?: string;
+  by_class?: string;
+  /** `gpu_samples`: broker time and each GPU's figures. */
+  time?: number;
+  gpus?: IGpuSample[];
 }

@@ -1,9 +1,10 @@
 /** The GPU cards of the sidebar: what a GPU is doing and for whom, with a live chart of the last minutes. */
 
-import { IGpu, ILease, ILeaseUsage } from './api';
+import { IGpu } from './api';
 import { gpuChart } from './chart';
 import { counter, formatBytes, formatDuration, h, plural } from './format';
 import { gpuKind } from './gputype';
+import { ILease, ILeaseUsage } from './leaseView';
 import { GpuLeaseModel } from './model';
 
 /** An idle countdown only for a lease that can go idle: the broker gives no deadline while it is busy, and none is

@@ -13,15 +13,28 @@ export function formatBytes(n: number): string {
   return `${n >= 10 || i === 0 ? n.toFixed(0) : n.toFixed(1)} ${units[i]}`;
 }
 
+/**
+ * A span of time as every client writes it (gpulease_protocol/text_cases.json): "45 s" under 90 s, then whole
+ * minutes ("2 min", "1 h 30 min") and from 48 h on whole days ("2 days"); a negative span is "0 s".
+ */
 export function formatDuration(seconds: number): string {
-  const s = Math.max(0, Math.round(seconds));
-  if (s < 60) {
-    return `${s}s`;
+  const tenths = Math.round(Math.max(0, seconds) * 10);
+  if (tenths < 100) {
+    return tenths % 10 ? `${Math.floor(tenths / 10)}.${tenths % 10} s` : `${tenths / 10} s`;
   }
-  if (s < 3600) {
-    return `${Math.floor(s / 60)}m ${String(s % 60).padStart(2, '0')}s`;
+  const s = Math.round(seconds);
+  if (s < 90) {
+    return `${s} s`;
   }
-  return `${Math.floor(s / 3600)}h ${String(Math.floor((s % 3600) / 60)).padStart(2, '0')}m`;
+  const minutes = Math.round(s / 60);
+  if (minutes < 60) {
+    return `${minutes} min`;
+  }
+  if (minutes < 48 * 60) {
+    const m = minutes % 60;
+    return `${Math.floor(minutes / 60)} h${m ? ` ${m} min` : ''}`;
+  }
+  return `${Math.round(s / 86400)} days`;
 }
 
 type Child = Node | string | null | undefined | false;
@@ -111,37 +124,50 @@ export function tickCounters(root: HTMLElement, now: number): void {
   }
 }
 
-/** Seconds from a duration a person typed: "15m", "1h30m", "2h", "90s", "1.5h", "1d"; null if it is not one. */
-export function parseDuration(text: string): number | null {
-  const units: Record<string, number> = { s: 1, m: 60, h: 3600, d: 86400 };
-  const t = text.trim().toLowerCase().replace(/\s+/g, '');
-  if (!/^(\d+(\.\d+)?[smhd])+$/.test(t)) {
-    return null;
-  }
-  let total = 0;
-  for (const m of t.matchAll(/(\d+(?:\.\d+)?)([smhd])/g)) {
-    total += Number(m[1]) * units[m[2]];
-  }
-  return total > 0 ? total : null;
-}
+const UNIT_SECONDS: Record<string, number> = { ms: 0.001, s: 1, m: 60, min: 60, h: 3600, d: 86400 };
+const PART = /(\d+(?:\.\d+)?)\s*(ms|min|s|m|h|d)/g;
+const MAX_SECONDS = 10 * 365 * 86400;
 
 /**
- * A local wall-clock time: "14:32" today, "tomorrow 00:07", "Fri 09:15" within the week ahead, the date otherwise
- * (the clock's format is the browser's locale).
+ * Seconds from a duration a person typed, the protocol's syntax (gpulease_protocol/requests.py `parse_duration`):
+ * "90", "90s", "30m", "30min", "1.5h", "1h30m", "1h 30m", "2d12h", "500ms"; null if it is not one.
  */
-export function formatClock(epoch: number, now: Date = new Date()): string {
+export function parseDuration(text: string): number | null {
+  const t = text.trim().toLowerCase();
+  let total: number;
+  if (/^\d+(\.\d+)?$/.test(t)) {
+    total = Number(t);
+  } else if (/^(\d+(\.\d+)?\s*(ms|min|s|m|h|d)\s*)+$/.test(t)) {
+    total = [...t.matchAll(PART)].reduce((sum, m) => sum + Number(m[1]) * UNIT_SECONDS[m[2]], 0);
+  } else {
+    return null;
+  }
+  return total < MAX_SECONDS ? total : null;
+}
+
+const MONTHS = ['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun', 'Jul', 'Aug', 'Sep', 'Oct', 'Nov', 'Dec'];
+
+/**
+ * A local wall-clock time as every client writes it (gpulease_protocol/text_cases.json): "12:00" the same calendar
+ * day, "tomorrow 00:30", "yesterday 23:00", "29 Nov 12:00" in the same year, "2 Jan 2027 09:05" otherwise; English
+ * month names, whatever the browser's locale. `now` in epoch seconds.
+ */
+export function formatClock(epoch: number, now: number = Date.now() / 1000): string {
   const d = new Date(epoch * 1000);
-  const time = d.toLocaleTimeString([], { hour: '2-digit', minute: '2-digit' });
-  const midnight = (x: Date) => new Date(x.getFullYear(), x.getMonth(), x.getDate()).getTime();
-  const days = Math.round((midnight(d) - midnight(now)) / 86400000);
+  const n = new Date(now * 1000);
+  const two = (x: number) => String(x).padStart(2, '0');
+  const time = `${two(d.getHours())}:${two(d.getMinutes())}`;
+  // calendar days apart, counted on local dates (a day across a daylight saving change has 23 or 25 hours)
+  const days = Math.round(
+    (Date.UTC(d.getFullYear(), d.getMonth(), d.getDate()) - Date.UTC(n.getFullYear(), n.getMonth(), n.getDate())) /
+      86400000
+  );
   if (days === 0) {
     return time;
   }
-  if (days === 1) {
-    return `tomorrow ${time}`;
+  if (days === 1 || days === -1) {
+    return `${days === 1 ? 'tomorrow' : 'yesterday'} ${time}`;
   }
-  if (days > 1 && days < 7) {
-    return `${d.toLocaleDateString([], { weekday: 'short' })} ${time}`;
-  }
-  return `${d.toLocaleDateString()} ${time}`;
+  const year = d.getFullYear() === n.getFullYear() ? '' : ` ${d.getFullYear()}`;
+  return `${d.getDate()} ${MONTHS[d.getMonth()]}${year} ${time}`;
 }

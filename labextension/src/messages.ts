@@ -3,8 +3,9 @@
  * The broker's notifiers (`gpulease notify`) tell the same events by webhook or e-mail when JupyterLab is closed.
  */
 
-import { IEvent, ILease } from './api';
+import { IEvent } from './api';
 import { formatClock, formatDuration, plural } from './format';
+import { ILease } from './leaseView';
 
 /** The kinds you can turn off one by one in the settings (schema/plugin.json). */
 export type NoticeKind = 'granted' | 'background' | 'preemption' | 'warning' | 'revoked';
@@ -13,8 +14,6 @@ export const NOTICE_KINDS: NoticeKind[] = ['granted', 'background', 'preemption'
 
 /** A request granted sooner than this after it was made did not really wait: nothing to tell. */
 export const WAITED_AT_LEAST_S = 1;
-
-const ENDED = new Set(['revoked', 'expired', 'preempted', 'failed']);
 
 export interface INotice {
   kind: NoticeKind;
@@ -78,23 +77,14 @@ function gpusOf(lease: ILease): string {
   return `${plural(devices.length, 'GPU')}${which ? ` (${which})` : ''}`;
 }
 
-const END_WORDS = /^(released|cancelled|expired|revoked|preempted|failed)\b/i;
-
 /**
- * What happened to a lease that ended, after its name: "was revoked: idle for 10 min while others waited", the
- * broker's `reason_text` as it comes; without one, a reason a person or a kernel wrote ("was released (cell
- * finished)"), never a bare code (`idle_pressure`: kept in `reason` for scripts, not told to people).
+ * What happened to a lease that ended, after its name: the broker's `reason_text` as it comes ("was revoked: idle for
+ * 10 min while others waited", "ended: the process that held it exited"), never a bare code (`idle_pressure`: kept in
+ * `reason` for scripts, not told to people).
  */
-export function endedWords(change: string, lease: Pick<ILease, 'reason' | 'reason_text'>): string {
-  const text = (lease.reason_text ?? '').trim().replace(/\.$/, '');
-  if (text) {
-    if (/^ended\b/i.test(text)) {
-      return text;
-    }
-    return END_WORDS.test(text) ? `was ${text}` : `was ${change}: ${text}`;
-  }
-  const reason = (lease.reason ?? '').trim();
-  return reason && !/^[a-z0-9_.:-]+$/.test(reason) ? `was ${change} (${reason})` : `was ${change}`;
+export function endedWords(lease: Pick<ILease, 'state' | 'reason_text'>): string {
+  const text = (lease.reason_text || lease.state).trim().replace(/\.$/, '');
+  return /^ended\b/i.test(text) ? text : `was ${text}`;
 }
 
 function leaseNotice(event: IEvent): INotice | null {
@@ -133,8 +123,13 @@ function leaseNotice(event: IEvent): INotice | null {
     };
   }
   const bg = labels.bg;
-  if (bg && (change === 'released' || ENDED.has(change))) {
-    const finished = change === 'released';
+  if (lease.phase !== 'ended') {
+    return null;
+  }
+  // a lease you released or a request you cancelled yourself: nothing to tell, but for a background cell
+  const yours = lease.state === 'released' || lease.state === 'cancelled';
+  if (bg && lease.state !== 'cancelled') {
+    const finished = lease.state === 'released';
     const inNotebook = notebook ? ` in ${baseName(notebook)}` : '';
     return {
       ...base,
@@ -143,18 +138,18 @@ function leaseNotice(event: IEvent): INotice | null {
       level: finished ? 'success' : 'error',
       title: `Background cell ${bg} ${finished ? 'finished' : change}`,
       text: finished
-        ? `Background cell ${bg}${inNotebook} finished: lease ${lease.id} ${endedWords(change, lease)}.`
-        : `Background cell ${bg}${inNotebook} stopped: lease ${lease.id} ${endedWords(change, lease)}.`
+        ? `Background cell ${bg}${inNotebook} finished: lease ${lease.id} ${endedWords(lease)}.`
+        : `Background cell ${bg}${inNotebook} stopped: lease ${lease.id} ${endedWords(lease)}.`
     };
   }
-  if (ENDED.has(change)) {
+  if (!yours) {
     return {
       ...base,
       kind: 'revoked',
       key: `${lease.id}:ended`,
       level: 'error',
       title: `GPU lease ${lease.id} ${change}`,
-      text: `Your GPU lease ${lease.id}${where ? ` (${where})` : ''} ${endedWords(change, lease)}.`
+      text: `Your GPU lease ${lease.id}${where ? ` (${where})` : ''} ${endedWords(lease)}.`
     };
   }
   return null;

@@ -9,17 +9,16 @@ import {
   IGpu,
   IGpuSample,
   IInfo,
-  ILease,
   IQueueEntry,
   requestAPI
 } from './api';
+import { ILease } from './leaseView';
 
 import { SampleHistory } from './history';
 
 export type Connection = 'connecting' | 'connected' | 'unreachable';
 
 const MAX_BACKOFF_MS = 30000;
-const HOLDING = new Set(['granted', 'active', 'idle']);
 
 /** The sidebar's state: fetched from the server extension, refreshed on broker events. */
 export class GpuLeaseModel {
@@ -178,10 +177,6 @@ export class GpuLeaseModel {
 
   isMine(lease: ILease): boolean {
     return lease.user === this.info?.user?.name;
-  }
-
-  holding(lease: ILease): boolean {
-    return HOLDING.has(lease.state);
   }
 
   private async _action(path: string, body: unknown): Promise<ILease> {

@@ -10,15 +10,14 @@ import { PageConfig } from '@jupyterlab/coreutils';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 
 import { extendLease, keepActive } from './actions';
-import { IEvent, ILease } from './api';
+import { IEvent } from './api';
+import { ILease } from './leaseView';
 import { DesktopNotifier } from './desktop';
 import { baseName, INotice, labPath, noticeFor, NOTICE_KINDS, NoticeKind, WAITED_AT_LEAST_S } from './messages';
 import { GpuLeaseModel } from './model';
 
 /** How long a success or info notice stays up while you look at the tab (kept in the center afterwards). */
 const AUTO_CLOSE_MS = 15000;
-/** The states a lease ends in: nothing is left to warn of. */
-const ENDED_STATES = new Set(['released', 'revoked', 'expired', 'failed', 'cancelled']);
 /** Events told, remembered so a replay is not told twice (bounded). */
 const REMEMBER = 500;
 
@@ -26,7 +25,7 @@ const REMEMBER = 500;
 interface INotebookLike {
   content?: {
     widgets?: ReadonlyArray<{
-      model?: { id?: string; type?: string; executionCount?: number | null; sharedModel?: any };
+      model?: { id?: string; type?: string; executionCount?: number | null; sharedModel?: { getId?: () => string; getSource?: () => string } };
     }>;
     activeCellIndex: number;
     scrollToItem?: (index: number) => Promise<void>;
@@ -199,7 +198,7 @@ export class LeaseNotifier {
     }
     const change = String(event.change ?? '');
     const answered =
-      ENDED_STATES.has(lease.state) ||
+      lease.phase === 'ended' ||
       (kind === 'expiry' && change === 'renewed') ||
       (kind === 'idle' && lease.state === 'active');
     if (!answered) {
@@ -227,7 +226,7 @@ export class LeaseNotifier {
     if (event.type !== 'lease' || !lease?.id) {
       return;
     }
-    if (lease.state === 'queued' && event.previous === null) {
+    if (lease.phase === 'queued' && event.previous === null) {
       this._queued.add(lease.id);
       window.setTimeout(() => {
         if (this._queued.delete(lease.id)) {
@@ -236,7 +235,7 @@ export class LeaseNotifier {
       }, WAITED_AT_LEAST_S * 1000);
       return;
     }
-    if (lease.state !== 'queued') {
+    if (lease.phase !== 'queued') {
       this._queued.delete(lease.id);
     }
     if (lease.labels?.bg && event.change === 'granted') {

@@ -2,9 +2,10 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { cancelRequest, extendLease, releaseLease, revokeLease } from './actions';
-import { IArtifact, ILease, IQueueEntry } from './api';
+import { IArtifact, IQueueEntry } from './api';
 import { gpuCard, leaseUsage, showsIdleCountdown, updateCardSample } from './cards';
 import { counter, formatClock, gpusWanted, h, tickCounters, waitWords } from './format';
+import { ILease } from './leaseView';
 import { GpuLeaseModel } from './model';
 import { wants } from './gputype';
 
@@ -81,8 +82,8 @@ export class GpuLeasePanel extends Widget {
       m.connection === 'unreachable' && m.message ? h('div', { class: 'jp-GpuLease-error', role: 'alert' }, m.message) : null,
       h('div', { class: 'jp-GpuLease-cards', role: 'list', 'aria-label': 'GPUs' }, m.gpus.map(g => gpuCard(m, g))),
       this.queueSection(),
-      this.leaseSection('Your leases', m.leases.filter(l => m.holding(l) || l.state === 'queued'), false),
-      m.isAdmin && m.allLeases ? this.leaseSection('All leases (admin)', m.allLeases.filter(l => m.holding(l) || l.state === 'queued'), true) : null,
+      this.leaseSection('Your leases', m.leases.filter(l => l.phase !== 'ended'), false),
+      m.isAdmin && m.allLeases ? this.leaseSection('All leases (admin)', m.allLeases.filter(l => l.phase !== 'ended'), true) : null,
       this.artifactSection()
     );
     this.node.replaceChildren(body);
@@ -144,16 +145,16 @@ export class GpuLeasePanel extends Widget {
     const now = m.now();
     const gpus = l.devices.map(d => d.index).join(', ');
     const parts: (Node | string)[][] = [[l.state]];
-    if (l.expires_at && m.holding(l)) {
+    if (l.expires_at && l.phase === 'holding') {
       parts.push([counter('until', l.expires_at, now), ' left']);
     }
     if (showsIdleCountdown(l)) {
       parts.push(['idle in ', counter('until', l.idle_deadline as number, now)]);
     }
-    if (l.state === 'queued' && l.position) {
+    if (l.phase === 'queued' && l.position) {
       parts.push([`position ${l.position}`]);
     }
-    if (l.state === 'queued') {
+    if (l.phase === 'queued') {
       parts.push(...waitWords(l).map(w => [h('span', { class: 'jp-GpuLease-waitWhy' }, w)]));
     }
     if (admin && l.holder && !l.holder.alive && l.holder.text) {
@@ -173,10 +174,10 @@ export class GpuLeasePanel extends Widget {
       h(
         'div',
         { class: 'jp-GpuLease-actions' },
-        own && l.state === 'queued'
+        own && l.phase === 'queued'
           ? button('jp-mod-reject jp-GpuLease-cancel', `Cancel request ${l.id}`, 'cancel', 'Cancel', () => cancelRequest(m, l))
           : null,
-        own && m.holding(l)
+        own && l.phase === 'holding'
           ? [
               button('jp-mod-reject jp-GpuLease-release', `Release lease ${l.id}`, 'release', 'Release', () => releaseLease(m, l)),
               button('jp-GpuLease-extend', `Extend lease ${l.id}`, 'extend', 'Extend…', () => extendLease(m, l))
