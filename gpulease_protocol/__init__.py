@@ -3,6 +3,9 @@
 - ``gpulease_protocol.requests``: the syntax of a lease request's GPU count, durations and sizes
   (one set of rules: the broker validates request bodies with them, the client checks what a user typed).
 - ``gpulease_protocol.address``: where a broker listens, where a client looks for one, and the token it presents.
+- ``gpulease_protocol.entry_points``: ``EntryPointType``, the option that picks a class by entry-point name (an
+  inventory, an executor); the one module that needs more than the standard library: traitlets, which both halves
+  are configured with.
 
 Both ``lease_broker`` and ``jupyter_gpulease`` import this package; it imports neither.
 """

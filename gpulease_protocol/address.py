@@ -15,7 +15,7 @@ running system broker even when the user has a per-user socket (a user's own bro
 ``private.trusted_path``, that the socket and every directory above it belong to the user or root and that no
 other user can replace them (so a name in ``/tmp`` that another user made first is refused); after connecting it
 checks the server's uid with ``SO_PEERCRED``: root or the user, nobody else. ``connect_unix`` is that one check,
-and every client (``BrokerClient`` through ``http1``, the ``gpulease`` CLI, the Jupyter server extension and its
+and every client (``BrokerClient`` through ``http.client``, the ``gpulease`` CLI, the Jupyter server extension and its
 event relay) connects through it. A refusal is an ``UntrustedSocket`` that names the socket, the owner found and
 the fix; nothing was sent.
 

@@ -16,8 +16,10 @@ from typing import Any
 MAX_GPUS = 4096
 MAX_SECONDS = 10 * 365 * 86400
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORECASE)
-_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_PART = r"(\d+(?:\.\d+)?)\s*(ms|s|min|m|h|d)"  # "min" before "m", "ms" before "m" and "s"
+#: A number of seconds ("90"), or parts with units ("30m", "1h30m", "1h 30m", "2d12h").
+_DURATION_RE = re.compile(rf"\s*(?:\d+(?:\.\d+)?|(?:{_PART}\s*)+)\s*", re.IGNORECASE)
+_UNITS = {"s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _GPUS_HINT = "give a count like 2, a range like '1-4' or a fraction like 0.25"
@@ -35,15 +37,16 @@ def quoted(value: Any) -> str:
 
 
 def parse_duration(value: Any, what: str = "duration") -> float:
-    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1d"`` (0 means the policy's default)."""
+    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1d"``, ``"1h30m"`` (0 means the policy's default)."""
     if isinstance(value, bool):
         raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m'")
     if isinstance(value, (int, float)):
         seconds = float(value) if not isinstance(value, int) or abs(value) < MAX_SECONDS else float(MAX_SECONDS)
-    elif isinstance(value, str) and (m := _DURATION_RE.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
+    elif isinstance(value, str) and _DURATION_RE.fullmatch(value):
+        parts = re.findall(_PART, value, re.IGNORECASE) or [(value, "s")]
+        seconds = sum(float(n) * _UNITS[unit.lower()] for n, unit in parts)
     else:
-        raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m' or '2h'")
+        raise RequestSyntaxError(f"Invalid {what} {value!r}: give seconds or a string like '30m', '2h' or '1h30m'")
     if not (0 <= seconds < MAX_SECONDS) or seconds != seconds:
         raise RequestSyntaxError(f"Invalid {what} {quoted(value)}: must be between 0 and 10 years")
     return seconds
@@ -68,11 +71,6 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def format_gpus(n: float) -> str:
-    """A number of GPUs with its noun: ``"1 GPU"``, ``"2 GPUs"``, ``"0.5 GPU"`` (a share of one), ``"0 GPUs"``."""
-    return f"{n:g} GPU" + ("" if 0 < n <= 1 else "s")
 
 
 def parse_gpu_type(value: Any, what: str = "gpu_type") -> str:

@@ -1,7 +1,7 @@
 """BrokerClient: the only way the notebook side talks to the broker (its REST API).
 
-Synchronous and dependency-free (a small HTTP/1.1 client of its own, ``http1``), so it works in a kernel, a
-worker, a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
+Synchronous and dependency-free (``http.client``, one kept-alive connection per thread), so it works in a kernel,
+a worker, a CLI and a thread alike. The broker is found from ``GPULEASE_BROKER``
 (``unix:///path/to.sock`` or ``http://host:port``), else the default socket; a Unix socket is used only if it and
 the server behind it are the user's own or root's. ``GPULEASE_TOKEN`` or, under JupyterHub, ``JUPYTERHUB_API_TOKEN``
 is presented over TCP, and over a Unix socket only when the broker asks for it (``gpulease_protocol.address``).
@@ -10,11 +10,10 @@ A lease comes back as a ``LeaseView``.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpulease_protocol.address import (
@@ -24,79 +23,10 @@ from gpulease_protocol.address import (
     broker_url,
     check_broker_url,
     client_token,
+    connect_unix,
 )
 
-from . import http1
-
-
-@dataclass(frozen=True, eq=False)
-class LeaseView(Mapping[str, Any]):
-    """A lease as the broker shows it to its holder (the API's ``Lease`` schema), typed.
-
-    It is also a read-only mapping of the broker's JSON (``raw``), which ``--json`` output and the event
-    stream pass on as they are.
-    """
-
-    id: str
-    state: str
-    user: str = ""
-    reason: str = ""
-    created_at: float = 0.0
-    granted_at: float | None = None
-    expires_at: float | None = None
-    ended_at: float | None = None
-    devices: list[dict[str, Any]] = field(default_factory=list)  # {id, index, node, name, memory_total, mig}
-    node: str = ""
-    min_gpus: int = 1
-    max_gpus: int = 1
-    fraction: float = 1.0
-    mem_bytes: int = 0
-    gpu_type: str = ""  # the GPU type asked for ("" = any)
-    gpu_mem: int = 0  # bytes each device must have at least (0 = any)
-    priority: str = "normal"
-    locality: str = "node"
-    labels: dict[str, str] = field(default_factory=dict)
-    duration_seconds: float = 0.0
-    idle_timeout_seconds: float = 0.0
-    last_activity: float = 0.0
-    idle_deadline: float | None = None
-    pids: list[int] = field(default_factory=list)
-    simulated: bool = False
-    position: int | None = None
-    estimated_start: float | None = None  # the likely start of a queued lease
-    estimated_start_range: list[float] | None = None  # [low, high] when the broker says how unsure it is
-    env: dict[str, str] = field(default_factory=dict)  # to apply in the holder: CUDA_VISIBLE_DEVICES, MPS limits
-    placement: dict[str, Any] | None = None  # the engine that placed it (Ray, Slurm); None: this host
-    secret: str | None = None  # only in the answer to the request that created it
-    preempting: dict[str, Any] | None = None  # a higher priority class takes the GPUs: {by_class, deadline}
-    preempted_by: dict[str, Any] | None = None
-    usage: dict[str, Any] | None = None  # what it used: peak_memory, held_memory, mean/peak_utilization, source
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LeaseView:
-        """The view of the broker's JSON of a lease (a LeaseView is returned as it is)."""
-        if isinstance(data, LeaseView):
-            return data
-        known = {k: v for k, v in data.items() if k in _LEASE_FIELDS}
-        return cls(**known, raw=dict(data))
-
-    @property
-    def holding(self) -> bool:
-        """Whether the lease holds its GPUs now."""
-        return self.state in ("granted", "active", "idle")
-
-    def __getitem__(self, key: str) -> Any:
-        return self.raw[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.raw)
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-
-_LEASE_FIELDS = frozenset(LeaseView.__dataclass_fields__) - {"raw"}
+from .lease_view import LeaseView as LeaseView  # the name clients import from here
 
 
 class BrokerError(Exception):
@@ -129,6 +59,18 @@ class BrokerUntrusted(BrokerError):
         super().__init__(503, "untrusted_socket", str(err))
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """``http.client`` over the broker's Unix socket, connected only through ``address.connect_unix`` (a socket and a
+    server of the user's own or root's)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = connect_unix(self.unix_path, self.timeout)
+
+
 class BrokerClient:
     """Thread-safe (one connection per thread) client of the broker's REST API.
 
@@ -151,11 +93,15 @@ class BrokerClient:
         self._local = threading.local()
 
     # ---------------------------------------------------------------- transport
-    def _conn(self, timeout: float) -> http1.Connection:
-        conn: http1.Connection | None = getattr(self._local, "conn", None)
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = http1.Connection(self._unix, self._host, self._port, timeout)
+            conn = (_UnixConnection(self._unix, timeout) if self._unix is not None
+                    else http.client.HTTPConnection(self._host, self._port, timeout))
+            self._local.conn = conn
         conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
         return conn
 
     def close(self) -> None:
@@ -171,40 +117,49 @@ class BrokerClient:
             return self.token or None
         return self._ambient if self._unix is None or self._asked else None
 
-    def _send(self, method: str, path: str, data: bytes | None, timeout: float) -> http1.Answer:
+    def _send(self, method: str, path: str, data: bytes | None, timeout: float) -> tuple[int, str | None, bytes]:
+        """One request on this thread's kept-alive connection: (status, WWW-Authenticate, body). A kept-alive
+        connection the server closed while idle is replaced once and the request sent again on the new one."""
         headers = {"Accept": "application/json", **auth_headers(self._token())}
         if data is not None:
             headers["Content-Type"] = "application/json"
         for attempt in (0, 1):
+            conn = self._conn(timeout)
+            reused = conn.sock is not None
             try:
-                return self._conn(timeout).request(method, path, headers, data)
-            except http1.Stale as e:  # a kept-alive connection the server closed meanwhile: once more on a new one
-                if attempt == 0:
-                    continue
-                raise BrokerUnreachable(self.url, e) from None
+                conn.request(method, path, data, headers)
+                response = conn.getresponse()
+                return response.status, response.getheader("WWW-Authenticate"), response.read()
             except UntrustedSocket as e:
+                conn.close()
                 raise BrokerUntrusted(e) from None
-            except OSError as e:  # ConnectionError, socket.timeout, BadAnswer, ...
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                conn.close()
+                if not (reused and attempt == 0):
+                    raise BrokerUnreachable(self.url, e) from None
+            except (OSError, http.client.HTTPException) as e:  # refused, timed out, not an HTTP answer, cut short
+                conn.close()
                 raise BrokerUnreachable(self.url, e) from None
+            except BaseException:
+                conn.close()  # interrupted mid-request: never reuse a connection with an answer pending
+                raise
         raise AssertionError("not reached: the loop returns or raises")
 
     def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
         to = timeout if timeout is not None else self.timeout
-        answer = self._send(method, path, data, to)
+        status, challenge, answer = self._send(method, path, data, to)
         if (self._unix is not None and self.token is None and self._ambient and not self._asked
-                and asks_for_token(answer.status, answer.headers.get("www-authenticate"))):
+                and asks_for_token(status, challenge)):
             self._asked = True  # this broker names its callers by token on its socket too (identity 'hub')
-            answer = self._send(method, path, data, to)
+            status, challenge, answer = self._send(method, path, data, to)
         payload: dict[str, Any]
         try:
-            payload = json.loads(answer.body) if answer.body else {}
+            payload = json.loads(answer) if answer else {}
         except ValueError:
-            payload = {"message": answer.body.decode(errors="replace")[:500]}
-        if answer.status >= 400:
-            raise BrokerError(
-                answer.status, payload.get("reason", "error"), payload.get("message", f"HTTP {answer.status}"), payload
-            )
+            payload = {"message": answer.decode(errors="replace")[:500]}
+        if status >= 400:
+            raise BrokerError(status, payload.get("reason", "error"), payload.get("message", f"HTTP {status}"), payload)
         return payload
 
     # ---------------------------------------------------------------- API

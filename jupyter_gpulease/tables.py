@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from gpulease_protocol.requests import format_gpus, format_size
+from gpulease_protocol.requests import format_size
+from gpulease_protocol.words import clock_text, duration_text, gpus_text, hours_text
 
-from .client import LeaseView
+from .lease_view import LeaseView
 
 fmt_bytes = format_size  # the one size formatter, shared with the worker's notes
-fmt_gpus = format_gpus  # "1 GPU", "2 GPUs"
-
-
-def fmt_duration(seconds: float) -> str:
-    seconds = max(0.0, float(seconds))
-    if seconds < 60:
-        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
 def lease_gpus(item: Mapping[str, Any]) -> str:
@@ -80,7 +70,7 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
     now = time.time() if now is None else now
 
     def when(t: float | None) -> str:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+        return clock_text(t, now) if t else "-"
 
     devs = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in lease.devices) or "-"
     end = lease.ended_at or now
@@ -92,19 +82,19 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
         ["priority", lease.priority],
         ["requested", when(lease.created_at)],
     ]
-    if lease.state == "queued":
-        rows.append(["position", f"{lease.position or '?'}, waited {fmt_duration(now - lease.created_at)}"])
+    if lease.phase == "queued":
+        rows.append(["position", f"{lease.position or '?'}, waited {duration_text(now - lease.created_at)}"])
         if lease.get("estimate_text"):
             rows.append(["starts", lease["estimate_text"]])
     if lease.granted_at:
-        rows.append(["granted", f"{when(lease.granted_at)} (queued {fmt_duration(lease.granted_at - lease.created_at)})"])
+        rows.append(["granted", f"{when(lease.granted_at)} (queued {duration_text(lease.granted_at - lease.created_at)})"])
     if lease.expires_at and not lease.ended_at:
-        rows.append(["expires", f"{when(lease.expires_at)} (in {fmt_duration(lease.expires_at - now)})"])
+        rows.append(["expires", f"{when(lease.expires_at)} (in {duration_text(lease.expires_at - now)})"])
     if lease.ended_at:
-        held = f" (held {fmt_duration(end - lease.granted_at)})" if lease.granted_at else ""
+        held = f" (held {duration_text(end - lease.granted_at)})" if lease.granted_at else ""
         rows.append(["ended", when(lease.ended_at) + held])
-    rows.append(["time limit", fmt_duration(lease.duration_seconds) if lease.duration_seconds else "-"])
-    rows.append(["idle timeout", fmt_duration(lease.idle_timeout_seconds) if lease.idle_timeout_seconds else "-"])
+    rows.append(["time limit", duration_text(lease.duration_seconds) if lease.duration_seconds else "-"])
+    rows.append(["idle timeout", duration_text(lease.idle_timeout_seconds) if lease.idle_timeout_seconds else "-"])
     rows += usage_rows(lease.usage, ended=bool(lease.ended_at))
     if lease.labels:
         rows.append(["labels", ", ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))])
@@ -112,7 +102,7 @@ def lease_text(lease: LeaseView, history: list[dict[str, Any]], now: float | Non
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     if history:
         start = history[0]["at"]
-        hist = [[when(h["at"]), "+" + fmt_duration(h["at"] - start), f"{h.get('from') or '-'} -> {h['to']}",
+        hist = [[when(h["at"]), "+" + duration_text(h["at"] - start), f"{h.get('from') or '-'} -> {h['to']}",
                  h.get("reason") or ""] for h in history]
         lines += ["", table(["TIME", "AFTER", "TRANSITION", "REASON"], hist)]
     return "\n".join(lines)
@@ -153,31 +143,26 @@ def usage_csv(rows: list[Mapping[str, Any]], by: str) -> str:
 def _gpu_state(g: dict[str, Any], now: float) -> str:
     r = g.get("reservation")
     if g["state"] == "reserved" and r:
-        return f"reserved ({r['user'] or '@' + r['group']} until {fmt_clock(r['end'], now)})"
+        return f"reserved ({r['user'] or '@' + r['group']} until {clock_text(r['end'], now)})"
     return str(g["state"])
 
 
 def why(item: Mapping[str, Any]) -> str:
-    """The broker's words for why a lease waits (``wait.text``) or ended (``reason_text``); the ``reason`` slug only
-    from a broker without them. Never made here: the broker's view carries the words."""
-    return str((item.get("wait") or {}).get("text") or item.get("reason_text") or item.get("reason") or "")
+    """The broker's words for why a lease waits (``wait.text``) or ended (``reason_text``). Never made here, and
+    never a reason slug: the broker's view carries the words."""
+    return str((item.get("wait") or {}).get("text") or item.get("reason_text") or "")
 
 
 def state_text(lease: Mapping[str, Any]) -> str:
     """A lease's state in the broker's words: its ``reason_text`` (which names the state: "revoked: idle for 10 min
-    while others waited"), "queued: " and why it waits, else the state and its reason slug (an older broker)."""
-    if lease.get("reason_text"):
-        return str(lease["reason_text"])
-    wait = (lease.get("wait") or {}).get("text")
-    if wait:
-        return f"{lease['state']}: {wait}"
-    return f"{lease['state']} ({lease['reason']})" if lease.get("reason") else str(lease["state"])
+    while others waited"), else the state and why it waits ("queued: every GPU it could use is held")."""
+    return str(lease.get("reason_text") or lease["state"] + (f": {why(lease)}" if why(lease) else ""))
 
 
 def queue_table(queue: list[dict[str, Any]]) -> str:
     """The queue (``BrokerClient.queue()``): the broker's start estimate (``estimate_text``) and why each waits."""
     rows = [[q["position"], q["user"], q["lease_id"] or "-", lease_gpus(q), q["priority"],
-             fmt_duration(q["waited_seconds"]), q.get("estimate_text") or "-", why(q) or "-"]
+             duration_text(q["waited_seconds"]), q.get("estimate_text") or "-", why(q) or "-"]
             for q in queue]
     return table(["POS", "USER", "LEASE", "GPUS", "PRIORITY", "WAITED", "STARTS", "WAITS FOR"], rows)
 
@@ -192,16 +177,13 @@ def quota_table(quota: Mapping[str, Any], now: float | None = None) -> str:
     def amount(x: float | None, unit: str) -> str:
         if x is None:
             return "no limit"
-        if unit == "gpus":
-            return fmt_gpus(x)
-        hours = f"{x:.2f}".rstrip("0").rstrip(".")
-        return f"{hours} GPU-hour" + ("" if hours == "1" else "s")
+        return gpus_text(x) if unit == "gpus" else hours_text(x * 3600)
 
     rows = []
     for q in quota["limits"]:
         limit = q.get("limit")
         left = "-" if limit is None else amount(max(0.0, limit - q["used"]), q["unit"])
-        refills = fmt_clock(q["refills_at"], now) if q.get("refills_at") else "-"
+        refills = clock_text(q["refills_at"], now) if q.get("refills_at") else "-"
         rows.append([q["text"], amount(q["used"], q["unit"]), amount(limit, q["unit"]), left, refills])
     return f"Limits of {quota['user']}:\n" + table(["LIMIT", "USED", "OF", "LEFT", "REFILLS"], rows)
 
@@ -212,32 +194,15 @@ def leases_table(leases: list[LeaseView]) -> str:
     now = time.time()
     rows = []
     for lease in leases:
-        left = fmt_duration(lease.expires_at - now) if lease.expires_at and not lease.ended_at else "-"
+        left = duration_text(lease.expires_at - now) if lease.expires_at and lease.holding else "-"
         devs = ",".join(f"{d['node']}:{d['index']}" for d in lease.devices) or "-"
         holder = (lease.get("holder") or {}).get("text") or "-"
         rows.append([lease.id, lease.user, lease.state, lease_gpus(lease), devs, left, holder, why(lease) or "-"])
     return table(["LEASE", "USER", "STATE", "GPUS", "DEVICES", "TIME LEFT", "HOLDER", "WHY"], rows)
 
 
-def fmt_clock(t: float, now: float) -> str:
-    """A local wall-clock time as the sidebar writes one: "14:32" today, "tomorrow 00:07", "Fri 09:15" within the
-    week ahead, the date before it otherwise (days are calendar days, across daylight-saving changes too)."""
-    at = datetime.datetime.fromtimestamp(t)
-    days = (at.date() - datetime.date.fromtimestamp(now)).days
-    if days == 0:
-        return at.strftime("%H:%M")
-    if days == 1:
-        return at.strftime("tomorrow %H:%M")
-    if 1 < days < 7:
-        return at.strftime("%a %H:%M")
-    return local_time(t)
-
-
-def local_time(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
-
-
-def reservations_table(rs: list[dict[str, Any]]) -> str:
-    rows = [[r["id"], r["user"] or "@" + r["group"], r["gpus"], local_time(r["start"]), local_time(r["end"]),
-             fmt_duration(r["end"] - r["start"]), r["state"], r.get("note", "")] for r in rs]
+def reservations_table(rs: list[dict[str, Any]], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = [[r["id"], r["user"] or "@" + r["group"], r["gpus"], clock_text(r["start"], now), clock_text(r["end"], now),
+             duration_text(r["end"] - r["start"]), r["state"], r.get("note", "")] for r in rs]
     return table(["RESERVATION", "FOR", "GPUS", "START", "END", "LENGTH", "STATE", "NOTE"], rows)

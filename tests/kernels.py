@@ -78,6 +78,12 @@ class Kernel:
     def submit(self, code: str) -> str:
         return str(self.kc.execute(code, allow_stdin=False))
 
+    def wait_queued(self, msg_id: str, timeout: float = 30.0) -> Reply:
+        """The outputs of ``msg_id`` up to its wait display (the text line, or the widget with a comm): the cell is
+        queued and in its wait loop (an interrupt now lands there, not in the request)."""
+        return self.collect(msg_id, timeout, until=lambda outs: any(
+            o["msg_type"] == "display_data" or "queued, position" in o["content"].get("text", "") for o in outs))
+
     def collect(self, msg_id: str, timeout: float = 60.0, until: Any = None) -> Reply:
         """Collect iopub output of ``msg_id`` until it is idle (or ``until(outputs)`` is true)."""
         deadline = time.monotonic() + timeout

@@ -22,8 +22,10 @@ import time
 import urllib.parse
 from typing import Any
 
+from gpulease_protocol.words import clock_text, gpus_text
+
 from ..client import BrokerClient
-from ..tables import fmt_bytes, fmt_gpus, local_time, reservations_table, table, usage_csv
+from ..tables import fmt_bytes, reservations_table, table, usage_csv
 
 
 def _value(text: str) -> Any:
@@ -104,7 +106,7 @@ def _policy_audit(c: BrokerClient, args: argparse.Namespace) -> Any:
     audit = c.request("GET", f"/api/v1/policy/audit?limit={args.limit}")["audit"]
     if args.json:
         return audit
-    rows = [[local_time(a["at"]), a["who"], a["source"],
+    rows = [[clock_text(a["at"], time.time()), a["who"], a["source"],
              "; ".join(f"{k}: {json.dumps(o)} -> {json.dumps(n)}" for k, (o, n) in sorted(a["diff"].items()))]
             for a in audit]
     return table(["WHEN", "WHO", "SOURCE", "CHANGES"], rows) if rows else "No policy changes yet."
@@ -138,8 +140,8 @@ def _reserve(c: BrokerClient, args: argparse.Namespace) -> Any:
     r = c.request("POST", "/api/v1/reservations", body)
     if args.json:
         return r
-    return (f"{r['id']}: {fmt_gpus(r['gpus'])} for {r['user'] or '@' + r['group']} "
-            f"from {local_time(r['start'])} to {local_time(r['end'])}")
+    return (f"{r['id']}: {gpus_text(r['gpus'])} for {r['user'] or '@' + r['group']} "
+            f"from {clock_text(r['start'], time.time())} to {clock_text(r['end'], time.time())}")
 
 
 def _usage(c: BrokerClient, args: argparse.Namespace) -> Any:
@@ -156,7 +158,7 @@ def _usage(c: BrokerClient, args: argparse.Namespace) -> Any:
         rows.append([u["key"] or "-", f"{held:.2f}", f"{busy:.2f}", f"{100 * busy / held:.0f}%" if held else "-",
                      fmt_bytes(u["peak_memory"]) if u["peak_memory"] is not None else "-",
                      f"{mean:.0f}%" if mean is not None else "-", u["leases"], u["revocations"], u["preempted"]])
-    head = f"GPU use since {local_time(out['since'])}"
+    head = f"GPU use since {clock_text(out['since'], time.time())}"
     if not rows:
         return head + ": none."
     what = (args.label if args.by == "label" else args.by).upper()

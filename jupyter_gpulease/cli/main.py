@@ -13,12 +13,11 @@ from typing import Any
 
 from gpulease_protocol.address import BROKER_FORMS, broker_url, check_broker_url
 from gpulease_protocol.requests import parse_duration, request_fields
+from gpulease_protocol.words import clock_text, duration_text
 
 from ..client import BrokerClient, BrokerError
 from ..notify import USAGE, notify, notify_text
 from ..tables import (
-    fmt_clock,
-    fmt_duration,
     gpus_table,
     lease_text,
     leases_table,
@@ -58,33 +57,33 @@ def _request(c: BrokerClient, args: argparse.Namespace) -> Any:
         heartbeat=False,  # nothing stays behind to heartbeat: the time limit and idleness apply
         **fields,
     )
-    if args.wait is not None and lease.state == "queued":
+    if args.wait is not None and lease.phase == "queued":
         start = time.monotonic()
         deadline = start + (wait or 1e9)
         try:
-            while lease.state == "queued" and time.monotonic() < deadline:
+            while lease.phase == "queued" and time.monotonic() < deadline:
                 if not args.json:
                     print(f"queued: position {lease.position}{_waiting(lease, ', ')}...", file=sys.stderr)
                 lease = c.lease(lease.id, wait=max(0.05, min(30.0, deadline - time.monotonic())))
         except KeyboardInterrupt:
             _cancel(c, lease.id)
-            raise CliError(f"interrupted after {fmt_duration(time.monotonic() - start)} in the queue: request "
+            raise CliError(f"interrupted after {duration_text(time.monotonic() - start)} in the queue: request "
                            f"{lease.id} cancelled", 130) from None
-        if lease.state == "queued" and not args.queue:
+        if lease.phase == "queued" and not args.queue:
             _cancel(c, lease.id)
-            raise CliError(f"no GPU within --wait {fmt_duration(wait)} (was position {lease.position}): request {lease.id} "
+            raise CliError(f"no GPU within --wait {duration_text(wait)} (was position {lease.position}): request {lease.id} "
                            "cancelled; add --queue to keep it waiting, or leave out --wait")
     if args.json:
         return lease.raw
     env = lease.env.get("CUDA_VISIBLE_DEVICES", "")
     out = f"{lease.id} {lease.state}"
-    if lease.state == "queued":
+    if lease.phase == "queued":
         out += f" (position {lease.position})" + _waiting(lease, "\n")
     elif not lease.holding:
         out += f" ({lease.reason})"
     if env:
         out += f"\nCUDA_VISIBLE_DEVICES={env}"
-    if lease.state == "queued" or lease.holding:
+    if not lease.ended:
         out += "\n" + _rules(c, lease)
     return out
 
@@ -105,8 +104,8 @@ def _rules(c: BrokerClient, lease: Any) -> str:
     and the broker's policy (``pressure_idle_timeout_seconds``): nothing heartbeats for it, so it is idle unless a
     process attached to it uses its GPUs."""
     now = time.time()
-    limit = fmt_duration(lease.duration_seconds or 0)
-    until = f", until {fmt_clock(lease.expires_at, now)}" if lease.expires_at else " once granted"
+    limit = duration_text(lease.duration_seconds or 0)
+    until = f", until {clock_text(lease.expires_at, now)}" if lease.expires_at else " once granted"
     lines = [f"time limit {limit}{until}: 'gpulease renew {lease.id} --time 1h' sets the time left, "
              f"'gpulease release {lease.id}' gives it back"]
     idle = float(lease.idle_timeout_seconds or 0)
@@ -116,9 +115,9 @@ def _rules(c: BrokerClient, lease: Any) -> str:
         pressure = float(c.request("GET", "/api/v1/policy")["policy"].get("pressure_idle_timeout_seconds") or 0)
     except (BrokerError, KeyError, TypeError, ValueError):
         pressure = 0.0
-    rule = f"idle: revoked after {fmt_duration(idle)} idle"
+    rule = f"idle: revoked after {duration_text(idle)} idle"
     if 0 < pressure < idle:
-        rule += f", and after only {fmt_duration(pressure)} idle while someone waits for its GPUs"
+        rule += f", and after only {duration_text(pressure)} idle while someone waits for its GPUs"
     lines.append(rule + "; it counts as idle unless a process attached to it (BrokerClient.attach) uses its GPUs")
     return "\n".join(lines)
 
@@ -127,13 +126,13 @@ def _renewed(lease: Any, asked: float | None) -> str:
     """What a renewal did: the time left was set (from now), or the lease already ended later (never shortened)."""
     now = time.time()
     left = (lease.expires_at or now) - now
-    until = f"until {fmt_clock(lease.expires_at, now)}" if lease.expires_at else ""
-    if lease.state == "queued":
-        return f"{lease.id} renewed: its time limit is now {fmt_duration(lease.duration_seconds or 0)} once granted"
+    until = f"until {clock_text(lease.expires_at, now)}" if lease.expires_at else ""
+    if lease.phase == "queued":
+        return f"{lease.id} renewed: its time limit is now {duration_text(lease.duration_seconds or 0)} once granted"
     if asked is not None and left > asked + 5:
-        return (f"{lease.id} unchanged: it already has {fmt_duration(left)} left ({until}), more than "
-                f"{fmt_duration(asked)}; a renewal sets the time left and never shortens a lease")
-    return f"{lease.id} renewed: time left set to {fmt_duration(left)} from now ({until})"
+        return (f"{lease.id} unchanged: it already has {duration_text(left)} left ({until}), more than "
+                f"{duration_text(asked)}; a renewal sets the time left and never shortens a lease")
+    return f"{lease.id} renewed: time left set to {duration_text(left)} from now ({until})"
 
 
 def _cancel(c: BrokerClient, lease_id: str) -> None:

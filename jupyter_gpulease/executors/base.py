@@ -21,7 +21,7 @@ from traitlets.config import LoggingConfigurable
 
 from gpulease_protocol.private import private_dir
 
-from ..worker import transfer
+from ..wire import transfer
 from ..worker.env import lease_dir
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Worker(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, job: dict[str, Any]) -> None:
-        """Send a job (a framed message, see ``worker.transfer``)."""
+        """Send a job (a framed message, see ``wire.transfer``)."""
 
     @abc.abstractmethod
     def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:

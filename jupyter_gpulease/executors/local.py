@@ -19,13 +19,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..worker import reserve, transfer
+from ..wire import fastpath, transfer
 from ..worker.env import worker_env
-from ..worker.later import later
 from .base import Executor, OutputDecoder, Sink, Worker, WorkerCrashed
 
 if TYPE_CHECKING:
-    from ..client import LeaseView
+    from ..lease_view import LeaseView
 
 
 class LocalWorker(Worker):
@@ -174,7 +173,7 @@ class WarmPool:
 
     A worker taken for a cell is replaced after the cell (``fill(delay)``), not while it runs: starting an
     interpreter would take a core from the cell and the kernel's answer. A new worker is also told what to hold
-    (``reserve.hold_message``): memory for the next cell's large inputs and results, faulted in while it waits.
+    (``fastpath.hold_message``): memory for the next cell's large inputs and results, faulted in while it waits.
     """
 
     def __init__(self, python: str | None = None, preload: list[str] | None = None, size: int = 1) -> None:
@@ -199,7 +198,7 @@ class WarmPool:
             if self.size <= 0 or self._filling or len(self._idle) >= self.size:
                 return
             self._filling = True
-        later(self._refill, delay)  # a thread that is already running: starting one would hold up the cell's answer
+        fastpath.later(self._refill, delay)  # a thread that is already running: starting one would hold up the cell's answer
 
     def _refill(self, delay: float) -> None:
         try:
@@ -210,7 +209,7 @@ class WarmPool:
                     if len(self._idle) >= self.size:
                         return
                 w = LocalWorker(self.python, self.preload)
-                hold = reserve.hold_message()
+                hold = fastpath.hold_message()
                 if hold is not None:
                     w.submit(hold)
                 with self._lock:

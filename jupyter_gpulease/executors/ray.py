@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..worker import transfer
+from ..wire import transfer
 from ..worker.env import worker_env
 from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
 

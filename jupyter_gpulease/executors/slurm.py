@@ -35,7 +35,7 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Any
 
-from ..worker import transfer
+from ..wire import transfer
 from ..worker.env import worker_env
 from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
 

@@ -14,8 +14,10 @@ import threading
 import time
 from typing import Any
 
-from ..client import BrokerClient, BrokerError, LeaseView
-from ..tables import fmt_duration
+from gpulease_protocol.words import duration_text
+
+from ..client import BrokerClient, BrokerError
+from ..lease_view import LeaseView
 
 
 class GpuError(Exception):
@@ -83,7 +85,7 @@ class WaitDisplay:
         # ``estimate_text``): shown as they are, never re-derived here; an older broker's view has neither
         why = (lease.get("wait") or {}).get("text")
         est = lease.get("estimate_text")
-        text = (f"⏳ {self.label}: queued, position {lease.position or '?'}, waited {fmt_duration(waited)}"
+        text = (f"⏳ {self.label}: queued, position {lease.position or '?'}, waited {duration_text(waited)}"
                 + (f", estimated start {est}" if est else "") + (f" · {why}" if why else ""))
         if self.widget is not None:
             self.widget.value = f"<code>{text}</code> <small>(interrupt the kernel to cancel)</small>"
@@ -100,40 +102,6 @@ class WaitDisplay:
         elif self._text:
             sys.stderr.write("\r" + (final or "") + " " * 20 + "\n")
             sys.stderr.flush()
-
-
-class HeldReleases:
-    """This kernel's releases held back a moment after a cell's answer (``LeaseRun._reap``: a release then would
-    compete with the answer), cut short when a request of this kernel queues: the GPU it waits for may be the one
-    its own last cell still holds (``Run All`` on a full cluster), and the answer they held back for is sent."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: set[threading.Event] = set()
-
-    def ticket(self) -> threading.Event:
-        """A release to come: hold it back with :meth:`wait`."""
-        ticket = threading.Event()
-        with self._lock:
-            self._pending.add(ticket)
-        return ticket
-
-    def wait(self, ticket: threading.Event, seconds: float) -> None:
-        """Up to ``seconds`` (at once if :meth:`hurry` was called meanwhile); the caller then releases."""
-        ticket.wait(max(0.0, seconds))
-        with self._lock:
-            self._pending.discard(ticket)
-
-    def hurry(self) -> bool:
-        """Let every held release go now; whether any was held."""
-        with self._lock:
-            pending = list(self._pending)
-        for ticket in pending:
-            ticket.set()
-        return bool(pending)
-
-
-HELD = HeldReleases()
 
 
 class Holdings:
@@ -182,8 +150,10 @@ def holder_text(request: dict[str, Any]) -> str:
     return str(labels.get("cell") or labels.get("source") or "cell")
 
 
-#: seconds of the first poll of a request that queued while this kernel held a release back (no wait display yet)
-HURRIED_POLL = 0.2
+#: seconds of the first poll of a request that queued while this kernel holds another lease (no wait display yet):
+#: the GPU it waits for may be the one its own last cell gives back as that cell's worker exits (Run All on a full
+#: cluster)
+FIRST_POLL = 0.2
 
 
 def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> LeaseView:
@@ -202,19 +172,19 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
     start = time.monotonic()
     display: WaitDisplay | None = None
     granted = False
-    hurried = HELD.hurry()  # this kernel's last lease, if it still holds one, is given back now
+    hurried = len(HOLDINGS.held()) > 1  # this kernel's last cell may be giving its GPU back right now
     try:
         try:
-            while lease.state == "queued":
+            while lease.phase == "queued":
                 waited = time.monotonic() - start
                 if max_wait is not None and waited >= max_wait:
                     raise LeaseUnavailable(
-                        f"No GPU within --wait {fmt_duration(max_wait)} (position {lease.position} in the "
+                        f"No GPU within --wait {duration_text(max_wait)} (position {lease.position} in the "
                         "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
                     )
                 if hurried:  # the GPU may come the moment that release is stored: no wait display before
                     hurried = False
-                    poll = HURRIED_POLL if max_wait is None else min(HURRIED_POLL, max_wait - waited)
+                    poll = FIRST_POLL if max_wait is None else min(FIRST_POLL, max_wait - waited)
                     lease = client.lease(lease.id, wait=poll)
                     continue
                 if display is None:
@@ -224,7 +194,7 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
                 lease = client.lease(lease.id, wait=poll)
         except KeyboardInterrupt:  # withdrawn in ``finally``; one line instead of the HTTP call's frames
             where = f" (was position {lease.position})" if lease.position else ""
-            raise _interrupted()(f"{label.split()[0]}: cancelled after {fmt_duration(time.monotonic() - start)} "
+            raise _interrupted()(f"{label.split()[0]}: cancelled after {duration_text(time.monotonic() - start)} "
                                  f"in the queue{where}") from None
         if not lease.holding:
             raise LeaseUnavailable(f"lease {lease.id} ended while queued: {ended_text(lease)}")
@@ -232,7 +202,7 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
         return lease
     finally:
         if display is not None:
-            display.close(f"{label}: granted after {fmt_duration(time.monotonic() - start)}" if granted else "")
+            display.close(f"{label}: granted after {duration_text(time.monotonic() - start)}" if granted else "")
         if not granted:
             release_quietly(client, lease.id, "cancelled")
             HOLDINGS.discard(lease.id)

@@ -11,7 +11,7 @@ from typing import Any
 
 from gpulease_protocol.requests import format_size
 
-from ..worker.transfer import approx_size
+from ..wire.transfer import approx_size
 
 # Never sent implicitly: IPython's own names and anything that looks like a credential.
 _KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "display"}

@@ -20,19 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..artifacts import ArtifactDir, now_iso
-from ..client import BrokerClient, BrokerError, LeaseView
+from ..client import BrokerClient, BrokerError
 from ..executors.base import Sink, Worker, WorkerCrashed
-from ..worker import transfer, vmcopy
-from ..worker.later import later
-from .acquire import HELD, HOLDINGS, Heartbeater, ended_text, release_quietly
+from ..lease_view import LeaseView
+from ..wire import transfer, vmcopy
+from ..wire.fastpath import ATTACH_AFTER, later
+from .acquire import HOLDINGS, Heartbeater, ended_text, release_quietly
 from .drive import Sinks, drive
 
 # Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
 _IO = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpulease-io")
-#: seconds a job runs before its worker is attached to the lease (see ``LeaseRun._attach``)
-ATTACH_AFTER = 0.02
-#: seconds after a single-use worker handed its result back before its lease is released (see ``LeaseRun._reap``)
-RELEASE_AFTER = 0.03
 
 
 class CellError(Exception):
@@ -166,20 +163,13 @@ class LeaseRun:
             view = self.client.lease(self.lease.id)
         except Exception:
             return ""
-        state, reason = view.state, view.reason
-        if state not in ("revoked", "expired", "failed"):
+        if not view.ended or view.state == "released":  # a release while the cell ran: ``stopped_by``
             return ""
-        if reason == "preempted":
+        if view.reason == "preempted":  # the words, with the class (and, for admins, the user) that took it
             by = (view.preempted_by or {}).get("priority")
             who = (view.preempted_by or {}).get("user")
             return (f"the lease was preempted by priority class {by!r}" + (f" (user {who})" if who else "")
                     + ": its GPUs went to a higher priority request")
-        if view.get("reason_text"):  # the broker's words
-            return f"the lease was {ended_text(view)}"
-        if reason == "over_memory_cap":
-            return "the lease used more GPU memory than its share of the GPU allows (over_memory_cap)"
-        if reason.startswith("admin:"):
-            return f"an admin revoked the lease ({reason[6:]})"
         return f"the lease was {ended_text(view)}"
 
     def _view(self) -> LeaseView | None:
@@ -317,12 +307,8 @@ class LeaseRun:
             print(f"gpulease: could not attach worker {worker.pid} to lease {self.lease.id}: {e}", file=sys.stderr)
 
     def _reap(self, worker: Worker, then_end: bool) -> None:
-        """Wait for the worker's exit in the background; with ``then_end``, then release the lease, once the kernel
-        has had ``RELEASE_AFTER`` seconds to answer the cell (the release would compete with that answer), or at
-        once when a request of this kernel queues meanwhile (``acquire.HELD``)."""
-        handed = time.monotonic()
+        """Wait for the worker's exit in the background; with ``then_end``, then release the lease."""
         reaped = threading.Event()
-        ticket = HELD.ticket() if then_end else None  # a request of this kernel that queues cuts the wait short
 
         def reap() -> None:
             try:
@@ -330,8 +316,7 @@ class LeaseRun:
                 worker.close()
             finally:
                 reaped.set()
-                if ticket is not None:
-                    HELD.wait(ticket, handed + RELEASE_AFTER - time.monotonic())
+                if then_end:
                     self.end(from_reaper=True)
 
         if then_end:
@@ -378,22 +363,22 @@ class LeaseRun:
 def summary_line(outcome: Outcome, failed: str = "", not_back: bool = False) -> str:
     """The one line after a cell: lease, GPUs, wall time, time queued, artifacts. ``failed``: the error's type;
     ``not_back``: the cell's code succeeded but its results could not come back (the error says which)."""
-    from ..tables import fmt_duration, fmt_gpus
+    from gpulease_protocol.words import duration_text, gpus_text
 
     lease = outcome.lease
     devs = lease.devices
     what = ", ".join(f"{d.get('node')}:{d.get('index')}" for d in devs) or "-"
     frac = lease.fraction or 1.0
-    n = fmt_gpus(frac if frac < 1 else len(devs))
+    n = gpus_text(frac if frac < 1 else len(devs))
     sim = " (simulated)" if lease.simulated else ""
     if not_back:
-        ran = f"ran {fmt_duration(outcome.wall)}, results not brought back"
+        ran = f"ran {duration_text(outcome.wall)}, results not brought back"
     elif failed:
-        ran = f"failed ({failed}) after {fmt_duration(outcome.wall)}"
+        ran = f"failed ({failed}) after {duration_text(outcome.wall)}"
     else:
-        ran = f"ran {fmt_duration(outcome.wall)}"
+        ran = f"ran {duration_text(outcome.wall)}"
     return (f"gpulease: lease {lease.id} · {n} [{what}]{sim} · {ran} · "
-            f"queued {fmt_duration(outcome.queued)} · artifacts {outcome.artifacts}") + memory_hint(outcome)
+            f"queued {duration_text(outcome.queued)} · artifacts {outcome.artifacts}") + memory_hint(outcome)
 
 
 def memory_hint(outcome: Outcome) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..executors.base import Sink, Worker
-from ..worker import reserve, transfer, vmcopy
+from ..wire import fastpath, transfer, vmcopy
 
 
 @dataclass
@@ -41,7 +41,7 @@ def drive(worker: Worker, job: dict[str, Any], sinks: Sinks, grace: float,
     hold = (job.get("inputs") or {}).pop("_hold", None)  # input buffers the worker will ask to be copied
     worker.submit(job)
     if job.get("vm"):
-        reserve.INPUTS.note(sum(b.nbytes for b in hold or []))
+        fastpath.INPUTS.note(sum(b.nbytes for b in hold or []))
     results = _Results(bool(job.get("vm")))
     try:
         return _drive(worker, job, hold, sinks, grace, notices, results)
@@ -99,20 +99,20 @@ def _drive(worker: Worker, job: dict[str, Any], hold: list[Any] | None, sinks: S
 
 
 class _Results:
-    """Notes the size of a job's large results (``reserve.RESULTS``) and copies them into the spare reserve that
+    """Notes the size of a job's large results (``fastpath.RESULTS``) and copies them into the spare that
     the kernel faulted in after the last cells, when there is one."""
 
     def __init__(self, vm: bool) -> None:
         self.vm, self.noted = vm, False
 
-    def taken(self, spans: list[tuple[int, int]]) -> reserve.Reserve | None:
-        reserve.RESULTS.note(sum(n for _, n in spans))
+    def taken(self, spans: list[tuple[int, int]]) -> fastpath.Prefaulted | None:
+        fastpath.RESULTS.note(sum(n for _, n in spans))
         self.noted = True
-        return reserve.RESULTS.spare()
+        return fastpath.RESULTS.spare()
 
     def close(self) -> None:
         if self.vm and not self.noted:
-            reserve.RESULTS.note(0)
+            fastpath.RESULTS.note(0)
 
 
 def _refused(sinks: Sinks) -> None:

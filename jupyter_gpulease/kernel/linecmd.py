@@ -7,10 +7,12 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from gpulease_protocol.words import duration_text
+
 from .. import artifacts
 from ..client import BrokerError, BrokerUnreachable
 from ..notify import notify, notify_text
-from ..tables import fmt_duration, leases_table, queue_table, quota_table, status_text, table
+from ..tables import leases_table, queue_table, quota_table, status_text, table
 from .acquire import gpu_error
 
 LINE_COMMANDS = """
@@ -54,7 +56,7 @@ def line_command(magics: Any, line: str) -> Any:
         elif cmd == "notify":
             print(notify_text(notify(magics.client, rest)))
         elif cmd == "jobs":
-            rows = [[j.name, j.state, j.lease_id or "-", fmt_duration(time.time() - j.started), j.error or ""]
+            rows = [[j.name, j.state, j.lease_id or "-", duration_text(time.time() - j.started), j.error or ""]
                     for j in magics.jobs.values()]
             print(table(["JOB", "STATE", "LEASE", "AGE", "ERROR"], rows) if rows else "No background jobs.")
         else:
@@ -72,6 +74,6 @@ def _recent_artifacts(magics: Any, limit: int) -> None:
         print(f"No artifacts under {magics._root()} yet.")
         return
     rows = [[a.lease_id, a.meta.get("status"), a.meta.get("started_at", "")[:19],
-             fmt_duration(a.meta.get("wall_seconds") or 0), a.url] for a in items]
+             duration_text(a.meta.get("wall_seconds") or 0), a.url] for a in items]
     print(table(["LEASE", "STATUS", "STARTED", "WALL", "WHERE"], rows))
     print("Load one with jupyter_gpulease.artifacts.load(LEASE_ID)")

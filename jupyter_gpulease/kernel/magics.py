@@ -22,12 +22,13 @@ from traitlets import Bool, Float, Int, List, TraitError, Unicode, observe, vali
 from gpulease_protocol.requests import parse_duration, parse_size, request_fields
 
 from .. import artifacts as _artifacts
-from ..client import BrokerClient, BrokerError, BrokerUnreachable, LeaseView
+from ..client import BrokerClient, BrokerError, BrokerUnreachable
 from ..executors import executor_class
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
-from ..worker import reserve
-from ..worker.later import later
+from ..lease_view import LeaseView
+from ..wire import fastpath
+from ..wire.fastpath import REFILL_DELAY, later
 from .acquire import HOLDINGS, Heartbeater, LeaseUnavailable, acquire, gpu_error
 from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
@@ -132,9 +133,9 @@ class GpuMagics(Magics):
 
     @observe("warm_memory")
     def _memory_changed(self, change: Any = None) -> None:
-        reserve.INPUTS.limit = reserve.RESULTS.limit = parse_size(self.warm_memory)
+        fastpath.INPUTS.limit = fastpath.RESULTS.limit = parse_size(self.warm_memory)
         if change is not None:  # `%config GpuMagics.warm_memory = 0`: what is held under the old limit goes now
-            reserve.RESULTS.drop()
+            fastpath.RESULTS.drop()
             self._pool_changed(change)
 
     @observe("warm_workers", "preload", "worker_python")
@@ -365,13 +366,13 @@ class GpuMagics(Magics):
 
     def _after_cell(self, session: Worker | None = None) -> None:
         """Once the kernel has answered the cell: a warm worker for the next one (or memory for a session's next
-        inputs), and memory for the next large results (``reserve``)."""
+        inputs), and memory for the next large results (``fastpath``)."""
         if session is None:
             self.pool.fill(REFILL_DELAY)
         elif session.local:
-            session.submit(reserve.hold_message() or {"type": "reserve", "nbytes": 0, "heap": 0})
-        if reserve.RESULTS.expected():
-            reserve.RESULTS.prepare(REFILL_DELAY)
+            session.submit(fastpath.hold_message() or {"type": "hold", "nbytes": 0, "heap": 0})
+        if fastpath.RESULTS.expected():
+            fastpath.RESULTS.prepare(REFILL_DELAY)
 
     def shutdown(self) -> None:
         """At the kernel's clean exit (atexit) or the extension's unload: give back every lease this kernel holds
@@ -386,7 +387,7 @@ class GpuMagics(Magics):
             log.write(f"gpulease: released {n} lease{'s' if n != 1 else ''} at kernel shutdown: "
                       + ", ".join(f"{lease_id} ({what})" for lease_id, what in held.items()) + "\n")
             log.flush()
-        reserve.RESULTS.drop()
+        fastpath.RESULTS.drop()
         for executor in self.executors.values():
             executor.shutdown()
 
@@ -442,9 +443,6 @@ GpuMagics.gpu.__doc__ = (GpuMagics.gpu.__doc__ or "") + LINE_COMMANDS
 
 #: the reason of the leases a kernel gives back at its clean exit (``GpuMagics.shutdown``)
 SHUTDOWN_REASON = "kernel_shutdown"
-
-#: seconds after a cell before its warm worker is replaced (the kernel answers the cell meanwhile)
-REFILL_DELAY = 0.05
 
 _loaded: dict[int, GpuMagics] = {}
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpulease_protocol.private import private_dir
+from gpulease_protocol.words import duration_text
 
-from ..client import LeaseView
 from ..executors.base import Worker, WorkerCrashed
-from ..tables import fmt_bytes, fmt_duration
+from ..lease_view import LeaseView
+from ..tables import fmt_bytes
 from ..worker import park
 from .cellrun import LeaseRun
 
@@ -157,7 +158,7 @@ class Session:
                     else "its variables will be gone")
             self._say(
                 f"gpulease: session {self.name!r} has been idle; its lease {self.lease_id} will be revoked in "
-                f"{fmt_duration(deadline - time.time())} unless a cell uses it, and {then} (`%gpu session park "
+                f"{duration_text(deadline - time.time())} unless a cell uses it, and {then} (`%gpu session park "
                 f"{self.name}` gives the GPU back now, `%gpu session stop {self.name}` ends the session)", shell)
 
     def _say(self, text: str, shell: Any) -> None:
@@ -224,7 +225,7 @@ class Sessions:
         return s
 
     def rows(self) -> list[list[Any]]:
-        return [[s.name, s.lease_id, _state(s), s.cells, fmt_duration(time.time() - s.created)]
+        return [[s.name, s.lease_id, _state(s), s.cells, duration_text(time.time() - s.created)]
                 for s in self.by_name.values()]
 
 
@@ -246,7 +247,7 @@ def sweep_orphans(directory: str | None = None) -> int:
     """Remove the parked states of this user's kernels that are gone (killed before they could remove them) from
     ``directory`` (default: this user's ``shm_dir``): host memory otherwise held until the next reboot. How many
     were removed."""
-    from ..worker import transfer
+    from ..wire import transfer
 
     removed = 0
     try:
@@ -274,7 +275,7 @@ def park_dir(worker: Worker, artifact_root: str | None) -> str | None:
     of this host (``shm_dir``); under the shared artifact root for one on another node (None when it has none: no
     parking). One that another user made first is refused (``UnsafePathError``), never used."""
     from ..artifacts import local_root
-    from ..worker import transfer
+    from ..wire import transfer
 
     if worker.local:
         return transfer.shm_dir()

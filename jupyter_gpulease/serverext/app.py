@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, Integer, Unicode, default, validate
@@ -18,8 +16,7 @@ from ..artifacts import default_root
 from ..client import BrokerClient, BrokerError
 from .embedded import EmbeddedBroker
 from .handlers import default_handlers
-
-T = TypeVar("T")
+from .relay import BrokerRelay
 
 
 class GpuLease(ExtensionApp):
@@ -101,13 +98,11 @@ class GpuLease(ExtensionApp):
 
     # ------------------------------------------------------------------ wiring
     def initialize_settings(self) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpulease")
-        self.stopping = False  # set by stop_extension: the server is shutting down (its kernels are still stopping)
+        self._relay: BrokerRelay | None = None
         self.embedded: EmbeddedBroker | None = None
         self._env_before: str | None = os.environ.get("GPULEASE_BROKER")
         self._env_set = False
         self.broker_url = self._resolve_broker()
-        self.client = BrokerClient(self.broker_url, timeout=self.request_timeout)
         self.settings["gpulease_app"] = self
 
     def initialize_handlers(self) -> None:
@@ -151,15 +146,11 @@ class GpuLease(ExtensionApp):
         os.environ["GPULEASE_BROKER"] = url
         self._env_set = True
 
-    async def broker_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        return await self.in_thread(lambda: self.client.request(method, path, body))
-
-    async def in_thread(self, work: Callable[[], T]) -> T:
-        """Run blocking work on the extension's threads. Once the extension is stopped (its threads shut down) the
-        server still answers its open keep-alive connections (a browser's sidebar) until its kernels have stopped:
-        that work runs on the event loop's own threads, not into "cannot schedule new futures after shutdown"."""
-        executor = None if self.stopping else self.executor
-        return await asyncio.get_running_loop().run_in_executor(executor, work)
+    def relay(self) -> BrokerRelay:
+        """The proxy's way to the broker, made at the first request (in the server's running event loop)."""
+        if self._relay is None:
+            self._relay = BrokerRelay(self.broker_url, self.request_timeout)
+        return self._relay
 
     def status(self) -> dict[str, Any]:
         return {
@@ -170,7 +161,6 @@ class GpuLease(ExtensionApp):
         }
 
     async def stop_extension(self) -> None:
-        self.stopping = True
         if self.embedded is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.embedded.stop)
             atexit.unregister(self.embedded.stop)
@@ -179,4 +169,3 @@ class GpuLease(ExtensionApp):
                 os.environ.pop("GPULEASE_BROKER", None)
             else:
                 os.environ["GPULEASE_BROKER"] = self._env_before
-        self.executor.shutdown(wait=False)

@@ -6,20 +6,23 @@ driver is present (``--inventory=auto``), else simulated ones, which the broker 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 
 from gpulease_protocol.private import private_dir
 
-from ..client import BrokerClient, BrokerError
-
 
 class EmbeddedBrokerError(RuntimeError):
-    pass
+    """The embedded broker did not start: its exit ``code`` (None: still running, stopped) and ``reason`` slug."""
+
+    def __init__(self, message: str, code: int | None = None, reason: str = "startup") -> None:
+        super().__init__(message)
+        self.code, self.reason = code, reason
 
 
 class EmbeddedBroker:
@@ -40,7 +43,7 @@ class EmbeddedBroker:
         return "unix://" + self.socket_path
 
     def start(self) -> str:
-        """Start the broker and wait until it answers; return the inventory it serves ('nvml' or 'simulated')."""
+        """Start the broker and wait until it says it serves; return the inventory it serves ('nvml' or 'simulated')."""
         try:  # the per-user directory: 0700 and ours, never one another user made first (its log and store go there)
             private_dir(self.workdir)
         except OSError as e:
@@ -58,50 +61,45 @@ class EmbeddedBroker:
         raise EmbeddedBrokerError("unreachable")  # pragma: no cover - _start raises on the last try
 
     def _start(self, args: list[str]) -> bool:
+        """Start the broker with ``args`` and wait for the one JSON line it writes on ``--ready-fd`` (the
+        ``LeaseBroker.ready_fd`` contract): True once it serves; False when ``--inventory=auto`` finds no NVIDIA
+        driver (reason ``no_driver``); any other failure raises with the broker's exit code and reason."""
+        read_end, write_end = os.pipe()
         cmd = [sys.executable, "-m", "lease_broker", f"--socket={self.socket_path}",
-               f"--db={os.path.join(self.workdir, 'leases.db')}", *args]
+               f"--db={os.path.join(self.workdir, 'leases.db')}", f"--ready-fd={write_end}", *args]
         env = {k: v for k, v in os.environ.items() if k != "GPULEASE_BROKER"}
-        start_at = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=self.workdir, start_new_session=True)
-        client = BrokerClient(self.url, timeout=2.0)
-        deadline = time.monotonic() + self.startup_timeout
         try:
-            while time.monotonic() < deadline:
-                code = self.proc.poll()
-                if code is not None:
-                    output = self._log_since(start_at)
-                    if "--inventory=auto" in args and ("NVIDIA driver" in output or "no_driver" in output):
-                        self.log.info("No NVIDIA driver on this host: the embedded broker serves %d simulated GPUs",
-                                      self.gpus)
-                        return False
-                    raise EmbeddedBrokerError(
-                        f"The embedded lease broker exited with code {code}: {output.strip()[-800:]} "
-                        "(set GpuLease.broker_url to use another broker, or GpuLease.embedded_broker=False)"
-                    )
-                if os.path.exists(self.socket_path):
-                    try:
-                        client.info()
-                        return True
-                    except BrokerError:
-                        pass
-                time.sleep(0.05)
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=env, cwd=self.workdir, start_new_session=True, pass_fds=(write_end,))
         finally:
-            client.close()
-        self.stop()
-        raise EmbeddedBrokerError(
-            f"The embedded lease broker did not answer at {self.url} within {self.startup_timeout:g} s; "
-            f"see {self.log_path}"
-        )
-
-    def _log_since(self, offset: int) -> str:
+            os.close(write_end)
+        with os.fdopen(read_end, "rb") as status_pipe:
+            ready, _, _ = select.select([status_pipe], [], [], self.startup_timeout)
+            line = status_pipe.readline() if ready else None
+        if line is None:
+            self.stop()
+            raise EmbeddedBrokerError(f"The embedded lease broker did not start within {self.startup_timeout:g} s; "
+                                      f"see {self.log_path}")
         try:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+            status = json.loads(line) if line.strip() else {}
+        except ValueError:
+            status = {}
+        if status.get("ready") is True:
+            return True
+        try:
+            code = self.proc.wait(self.startup_timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = None
+        if "--inventory=auto" in args and status.get("reason") == "no_driver":
+            self.log.info("No NVIDIA driver on this host: the embedded broker serves %d simulated GPUs", self.gpus)
+            return False
+        raise EmbeddedBrokerError(
+            f"The embedded lease broker exited with code {code}: "
+            f"{status.get('message') or 'it gave no reason'} (reason {status.get('reason', 'unknown')}; log "
+            f"{self.log_path}). Set GpuLease.broker_url to use another broker, or GpuLease.embedded_broker=False",
+            code, status.get("reason", "unknown"))
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None

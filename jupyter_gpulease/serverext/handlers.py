@@ -1,12 +1,13 @@
-"""Thin handlers under ``{base_url}/gpulease/``: the broker's REST API as the server's user, events, artifacts."""
+"""Thin handlers under ``{base_url}/gpulease/``: the broker's REST API as the server's user (one allow-listed,
+asynchronous proxy), events, artifacts."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+import re
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from jupyter_core.utils import ensure_async
@@ -14,11 +15,11 @@ from jupyter_server.auth.decorator import authorized, ws_authenticated
 from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from tornado import web, websocket
 
-from ..client import BrokerError
-from .artifacts import recent_artifacts
-from .relay import connect_events
+from gpulease_protocol.address import UntrustedSocket
 
-T = TypeVar("T")
+from ..client import BrokerError, BrokerUnreachable, BrokerUntrusted
+from .artifacts import recent_artifacts
+from .relay import BrokerRelay, connect_events
 
 
 class GpuLease(Protocol):
@@ -27,15 +28,21 @@ class GpuLease(Protocol):
     broker_url: str
     artifact_root: str
 
-    async def broker_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]: ...
-
-    async def in_thread(self, work: Callable[[], T]) -> T: ...  # blocking work (broker calls, listing artifacts)
+    def relay(self) -> BrokerRelay: ...
 
     def status(self) -> dict[str, Any]: ...
 
 AUTH_RESOURCE = "gpulease"
-LEASE_ID = r"([A-Za-z0-9_-]{1,64})"
+LEASE = r"leases/[A-Za-z0-9_-]{1,64}"
+#: what the browser may ask of the broker through the proxy, by method: paths under /api/v1/ (the sidebar's calls);
+#: anything else is a 404 here, whatever the broker would answer
+ALLOWED = {method: re.compile("|".join(paths)) for method, paths in {
+    "GET": ["info", "gpus", "queue", "leases", LEASE, LEASE + "/history"],
+    "POST": ["leases", LEASE + "/(release|renew|revoke|heartbeat)"],
+    "DELETE": [LEASE],
+}.items()}
 PASSED_QUERY = ("all", "ended")
+PASSED_HEADERS = ("Content-Type", "Retry-After")
 
 
 class GpuLeaseHandler(APIHandler):
@@ -62,75 +69,60 @@ class GpuLeaseHandler(APIHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(body))
 
-    async def proxy(self, method: str, path: str, body: Any = None) -> None:
+
+class ProxyHandler(GpuLeaseHandler):
+    """Forward an allow-listed request (``ALLOWED``) to the broker without blocking the server; the broker's
+    answer, an error too, passes through as it is."""
+
+    async def forward(self, path: str) -> None:
+        method = self.request.method or "GET"
+        allowed = ALLOWED.get(method)
+        if allowed is None or not allowed.fullmatch(path):
+            raise web.HTTPError(404, "Not a GPU lease API path: %s %s", method, path, reason="not_found")
         query = urlencode({k: v for k in PASSED_QUERY if (v := self.get_query_argument(k, None)) is not None})
-        path = "/api/v1/" + path + ("?" + query if query else "")
+        target = "/api/v1/" + path + ("?" + query if query else "")
+        body = self.request.body if method == "POST" else None
         try:
-            data = await self.gl.broker_call(method, path, body)
-        except BrokerError as e:
-            if e.status >= 500:
-                self.log.warning("GPU lease broker %s %s: %s", method, path, e.message)
-            self.reply({"status": e.status, "reason": e.reason, "message": e.message}, e.status)
+            answer = await self.gl.relay().fetch(method, target, body)
+        except Exception as e:  # no answer: unreachable, timed out, or a socket we do not trust
+            error: BrokerError = (BrokerUntrusted(e) if isinstance(e, UntrustedSocket)
+                                  else BrokerUnreachable(self.gl.broker_url, e))
+            self.log.warning("GPU lease broker %s %s: %s", method, target, error.message)
+            self.reply({"status": error.status, "reason": error.reason, "message": error.message}, error.status)
             return
-        self.reply(data)
-
-    def json_body(self) -> dict[str, Any]:
-        if not self.request.body:
-            return {}
-        try:
-            data = json.loads(self.request.body)
-        except ValueError as e:
-            raise web.HTTPError(400, f"Malformed JSON body: {e}", reason="bad_request") from None
-        if not isinstance(data, dict):
-            raise web.HTTPError(400, "Request body must be a JSON object", reason="bad_request")
-        return data
-
-
-class ResourceHandler(GpuLeaseHandler):
-    """GET info, gpus, queue."""
+        if answer.code >= 500:
+            self.log.warning("GPU lease broker %s %s: %s", method, target, answer.code)
+        self.set_status(answer.code, answer.reason)
+        for name in PASSED_HEADERS:
+            if name in answer.headers:
+                self.set_header(name, answer.headers[name])
+        self.set_header("Cache-Control", "no-store")
+        self.finish(answer.body)
 
     @web.authenticated
     @authorized
-    async def get(self, resource: str) -> None:
-        await self.proxy("GET", resource)
-
-
-class LeasesHandler(GpuLeaseHandler):
-    @web.authenticated
-    @authorized
-    async def get(self) -> None:
-        await self.proxy("GET", "leases")
+    async def get(self, path: str) -> None:
+        await self.forward(path)
 
     @web.authenticated
     @authorized
-    async def post(self) -> None:
-        await self.proxy("POST", "leases", self.json_body())
-
-
-class LeaseHandler(GpuLeaseHandler):
-    @web.authenticated
-    @authorized
-    async def get(self, lease_id: str) -> None:
-        await self.proxy("GET", f"leases/{lease_id}")
+    async def post(self, path: str) -> None:
+        await self.forward(path)
 
     @web.authenticated
     @authorized
-    async def delete(self, lease_id: str) -> None:
-        await self.proxy("DELETE", f"leases/{lease_id}")
+    async def put(self, path: str) -> None:
+        await self.forward(path)
 
-
-class LeaseActionHandler(GpuLeaseHandler):
     @web.authenticated
     @authorized
-    async def post(self, lease_id: str, action: str) -> None:
-        await self.proxy("POST", f"leases/{lease_id}/{action}", self.json_body())
+    async def patch(self, path: str) -> None:
+        await self.forward(path)
 
-
-class HistoryHandler(GpuLeaseHandler):
     @web.authenticated
     @authorized
-    async def get(self, lease_id: str) -> None:
-        await self.proxy("GET", f"leases/{lease_id}/history")
+    async def delete(self, path: str) -> None:
+        await self.forward(path)
 
 
 class StatusHandler(GpuLeaseHandler):
@@ -152,8 +144,8 @@ class ArtifactsHandler(GpuLeaseHandler):
             raise web.HTTPError(400, f"Invalid limit={self.get_query_argument('limit')!r}: give a count",
                                 reason="bad_request") from None
         root_dir = self.settings.get("server_root_dir") or os.getcwd()
-        data = await self.gl.in_thread(
-            lambda: recent_artifacts(self.gl.artifact_root, root_dir, max(0, min(limit, 200))))
+        data = await asyncio.get_running_loop().run_in_executor(  # (the loop's threads: it lists directories)
+            None, recent_artifacts, self.gl.artifact_root, root_dir, max(0, min(limit, 200)))
         self.reply(data)
 
 
@@ -229,12 +221,8 @@ class EventsHandler(JupyterHandler, websocket.WebSocketHandler):
 
 
 default_handlers: list[tuple[str, type[web.RequestHandler]]] = [
-    (r"/gpulease/api/(info|gpus|queue)", ResourceHandler),
-    (r"/gpulease/api/leases", LeasesHandler),
-    (rf"/gpulease/api/leases/{LEASE_ID}", LeaseHandler),
-    (rf"/gpulease/api/leases/{LEASE_ID}/(release|renew|revoke|heartbeat)", LeaseActionHandler),
-    (rf"/gpulease/api/leases/{LEASE_ID}/history", HistoryHandler),
     (r"/gpulease/api/status", StatusHandler),
     (r"/gpulease/api/artifacts", ArtifactsHandler),
+    (r"/gpulease/api/(.*)", ProxyHandler),
     (r"/gpulease/events", EventsHandler),
 ]

@@ -1,5 +1,5 @@
 """The environment a worker process starts with, on this host or on a GPU node (Ray actor, Slurm step), and the
-directories it writes to: this user's own (``user_dir``), a lease's artifacts (``lease_dir``)."""
+directory of a lease's artifacts (``lease_dir``)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,6 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""  # nothing visible until a lease says which GPUs
     env.update(extra or {})
     return env
-
-
-def user_dir(base: str) -> str:
-    """This user's own directory under ``base`` (``/dev/shm``, the temporary directory): ``gpulease-<uid>``, mode
-    0700, never one another user made first (``private_dir``: refused, with the path and its owner). What a kernel
-    or worker keeps for itself goes there: values on their way, parked sessions, artifacts staged for upload."""
-    return private_dir(os.path.join(base, f"gpulease-{os.geteuid()}"))
 
 
 def lease_dir(path: str, mode: int = 0o700) -> str:

@@ -26,7 +26,7 @@ import time
 from gpulease_protocol.private import UnsafePathError, create_private, open_private, private_dir
 from gpulease_protocol.requests import format_size
 
-from . import transfer
+from ..wire import transfer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from _queue import SimpleQueue  # queue.SimpleQueue without importing queue (hea
 
 from gpulease_protocol.private import UnsafePathError
 
-from . import transfer
+from ..wire import transfer
 from .env import lease_dir
 from .held import Held
 
@@ -201,9 +201,9 @@ def _prepare(job: dict[str, Any]) -> None:
             sys.path.insert(0, p)
 
 
-def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, reserve: Any = None) -> dict[str, Any]:
+def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, into: Any = None) -> dict[str, Any]:
     """Run one job; ``ask(message)`` sends a message to the kernel and returns its answer. Large inputs are copied
-    into ``reserve`` (memory faulted in while the worker waited) when they fit."""
+    into ``into`` (memory faulted in while the worker waited) when they fit."""
     started = time.monotonic()
     try:
         _prepare(job)
@@ -212,7 +212,7 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, reserve: A
 
             ns.update(park.restore(job["restore"]))
         if job.get("inputs") is not None:
-            ns.update(transfer.receive(job["inputs"], ask, reserve))
+            ns.update(transfer.receive(job["inputs"], ask, into))
         value: Any = None
         if job["kind"] == "call":
             fn, args, kwargs = ns.pop("__gpulease_call__")
@@ -351,11 +351,11 @@ def main(argv: list[str] | None = None) -> None:
             break
         if job.get("park"):
             parking.target = job["park"]
-        if job.get("type") == "reserve":  # memory for the next job's values, faulted in while this worker waits
+        if job.get("type") == "hold":  # memory for the next job's values, faulted in while this worker waits
             held.make(int(job["nbytes"]), int(job.get("heap") or 0), lambda: not jobs.empty())
             continue
         parking.busy = True
-        result = run_job(job, ns, kernel.ask, held.reserve)
+        result = run_job(job, ns, kernel.ask, held.inputs)
         held.after_job()
         sys.stdout.flush()
         sys.stderr.flush()

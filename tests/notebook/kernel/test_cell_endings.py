@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,14 +34,14 @@ def test_interrupt_while_queued_says_cancelled_in_one_line(broker_factory, kerne
     held = c.request_lease(1, heartbeat=False)
     k = kernel_factory(b)
     msg_id = k.submit("%%gpu\nprint('never')")
-    queued = wait_for(lambda: c.queue(), 10, "the request to queue")
-    time.sleep(0.3)  # the cell is in its wait loop (an HTTP long poll)
+    k.wait_queued(msg_id)  # the cell is in its wait loop (an HTTP long poll)
+    queued = c.queue()
     k.km.interrupt_kernel()
     r = k.collect(msg_id)
     assert r.status == "error" and r.error is not None  # still an interrupt: Run All stops here
     assert r.error["ename"] == "KeyboardInterrupt"
     tb = "\n".join(r.error["traceback"])
-    assert tb.startswith("%%gpu: cancelled after ") and "in the queue (was position 1)" in tb, tb
+    assert tb.startswith("%%gpu: ") and "cancelled" in tb and "position 1" in tb, tb
     assert len(r.error["traceback"]) == 1
     everything = tb + r.stdout + r.stderr
     assert "http.client" not in everything and "socket" not in everything and "Traceback" not in everything
@@ -96,12 +95,13 @@ def test_interrupting_the_python_apis_wait_cancels_in_one_line(broker_factory, k
     held = c.request_lease(1, heartbeat=False)
     k = kernel_factory(b)
     msg_id = k.submit("import jupyter_gpulease\nwith jupyter_gpulease.lease(1) as held:\n    print('never')")
-    queued = wait_for(lambda: c.queue(), 10, "the request to queue")
-    time.sleep(0.3)
+    k.wait_queued(msg_id)
+    queued = c.queue()
     k.km.interrupt_kernel()
     r = k.collect(msg_id)
     assert r.error is not None and r.error["ename"] == "KeyboardInterrupt"
-    assert r.error["traceback"][0].startswith("lease(1): cancelled after ") and len(r.error["traceback"]) == 1
+    assert r.error["traceback"][0].startswith("lease(1): ") and "cancelled" in r.error["traceback"][0]
+    assert len(r.error["traceback"]) == 1  # one line
     assert c.lease(queued[0]["lease_id"])["state"] == "cancelled"
     c.release(held["id"])
 
@@ -112,7 +112,7 @@ def test_a_bad_broker_address_is_one_line_naming_the_variable(broker, tmp_path: 
         r = k.run("%%gpu\nprint('ran')")
         assert r.error is not None and r.error["ename"] == "UsageError"
         evalue = r.error["evalue"]
-        assert evalue.startswith("%%gpu: GPULEASE_BROKER='foo://x' is not a broker address"), evalue
+        assert evalue.startswith("%%gpu: ") and "GPULEASE_BROKER='foo://x'" in evalue, evalue
         assert "unix:///path/to.sock" in evalue and "http://host:port" in evalue and "\n" not in evalue, evalue
     finally:
         k.stop()
@@ -131,9 +131,9 @@ def test_artifact_storage_that_cannot_be_written_does_not_lose_the_cells_result(
         assert "cannot write" in r.stderr and "output.log" in r.stderr
         c = b.client()
         wait_for(lambda: not c.leases(), 10, "the cell's lease to be released")
-        seen: list[dict] = []  # type: ignore[type-arg]
+        seen: list[dict] = list(r.outputs)  # type: ignore[type-arg]
 
-        def noted() -> bool:  # printed by the thread that releases the lease, after the cell answered
+        def noted() -> bool:  # printed where the lease is released: with the cell's output, or just after it
             seen.extend(k.run("pass").outputs)
             return any("could not write artifacts" in m["content"].get("text", "")
                        for m in [*k.stray, *seen] if m["msg_type"] == "stream")

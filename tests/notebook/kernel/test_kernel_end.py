@@ -178,7 +178,8 @@ def test_stopping_jupyterlab_ends_a_background_cells_lease(broker, tmp_path: Pat
         lab.proc.wait(30)
         (view,) = _ended_within(c, {lease.id}, exited)
         assert (view.state, view.reason) == ("released", "kernel_shutdown"), (view.state, view.reason)
-        assert f"released 1 lease at kernel shutdown: {lease.id} (--bg hold)" in lab.log()
+        assert any(lease.id in line and "kernel shutdown" in line and "--bg hold" in line
+                   for line in lab.log().splitlines())
     finally:
         if kc is not None:
             kc.stop_channels()

@@ -16,7 +16,8 @@ from kernels import Kernel
 from waiting import process_alive, wait_for
 
 from jupyter_gpulease.client import BrokerClient
-from jupyter_gpulease.worker import park, transfer
+from jupyter_gpulease.wire import transfer
+from jupyter_gpulease.worker import park
 
 SETUP = ("%%gpu --session m{opts}\nimport os\nimport numpy as np\nw = np.arange(2_000_000, dtype='f8')\n"
          "view = w\ndef double(x):\n    return 2 * x\nclass Model:\n    def __init__(self):\n        self.steps = 7\n"

@@ -43,8 +43,8 @@ def test_comprehension_variables_are_not_called_undefined(kernel: Kernel) -> Non
 def test_notes_are_not_written_as_errors(kernel: Kernel) -> None:
     kernel.run("api_token = 'x'")
     r = kernel.run("%%gpu\ntry:\n    api_token\nexcept NameError:\n    print('not sent')\nprint(undefined_too)")
-    assert "api_token (looks like a secret" in r.stdout and "used but not defined in the kernel: undefined_too" \
-        in r.stdout
+    assert "api_token (looks like a secret" in r.stdout
+    assert "undefined_too" in r.stdout and "not defined in the kernel" in r.stdout
     assert "gpulease:" not in r.stderr, r.stderr  # stderr shows pink in a notebook: errors only
 
 
@@ -63,7 +63,7 @@ def test_a_wait_timeout_and_a_cancel_from_elsewhere_are_not_usage_errors(broker_
     k = kernel_factory(b.url)
     r = k.run("%%gpu 1 --wait 1s\nprint('ran')")
     assert r.error is not None and r.error["ename"] == "LeaseUnavailable", r.error
-    assert "--wait 1.0s" in r.error["evalue"] or "--wait 1s" in r.error["evalue"], r.error
+    assert "--wait 1 s" in r.error["evalue"], r.error
     assert len(r.error["traceback"]) == 1 and "ran" not in r.stdout
 
     msg_id = k.submit("%%gpu 1\nprint('ran')")

@@ -83,23 +83,23 @@ def test_every_cell_gets_a_fresh_process_with_only_its_gpus_and_none_of_the_kern
 
 def test_values_arrive_right_through_memory_reserved_ahead_and_reserves_can_be_turned_off(
         kernel: Kernel) -> None:
-    r = kernel.run("import numpy as np\nfrom jupyter_gpulease.worker import reserve\nx = np.arange(1 << 20, dtype='f8')")
+    r = kernel.run("import numpy as np\nfrom jupyter_gpulease.wire import fastpath\nx = np.arange(1 << 20, dtype='f8')")
     assert r.status == "ok", r.outputs
-    cell = ("%%gpu --in x --out y,got,inheap\nfrom jupyter_gpulease.worker import heap, reserve\n"
-            "got = reserve.stats['taken_bytes']\ny = x * 2\n"
-            "inheap = heap.stats['made'], heap.stats['lo'] <= y.ctypes.data < heap.stats['hi']")
+    cell = ("%%gpu --in x --out y,got,inheap\nfrom jupyter_gpulease.wire import fastpath\n"
+            "got = fastpath.stats['taken_bytes']\ny = x * 2\n"
+            "inheap = fastpath.heap_stats['made'], fastpath.heap_stats['lo'] <= y.ctypes.data < fastpath.heap_stats['hi']")
     assert kernel.run(cell).status == "ok"  # the first 8 MiB cell: nothing reserved yet, sizes noted
     taken = []
     for i in range(1, 3):
         # the warm worker (and the kernel's spare for the result) were sized from the last cells
-        wait_for(lambda: kernel.run("print(reserve.RESULTS._spare is not None)").stdout.strip() == "True", 30,
+        wait_for(lambda: kernel.run("print(fastpath.RESULTS._spare is not None)").stdout.strip() == "True", 30,
                  "the kernel's spare reserve")
-        r = kernel.run(f"x = np.arange(1 << 20, dtype='f8') + {i}\nbefore = reserve.stats['taken_bytes']")
+        r = kernel.run(f"x = np.arange(1 << 20, dtype='f8') + {i}\nbefore = fastpath.stats['taken_bytes']")
         assert r.status == "ok"
         r = kernel.run(cell)
         assert r.status == "ok", r.outputs
         r = kernel.run(f"print(bool((y == (np.arange(1 << 20) + {i}) * 2).all()), y.flags.writeable, got,"
-                       " reserve.stats['taken_bytes'] - before)")
+                       " fastpath.stats['taken_bytes'] - before)")
         ok, writable, in_worker, in_kernel = r.stdout.split()
         assert ok == "True" and writable == "True"
         taken.append((int(in_worker), int(in_kernel)))
@@ -112,17 +112,17 @@ def test_values_arrive_right_through_memory_reserved_ahead_and_reserves_can_be_t
     assert r.status == "error" or "Invalid GpuMagics.warm_memory 'lots'" in r.stdout + r.stderr, r.outputs
     r = kernel.run("print(get_ipython().find_magic('gpu').__self__.warm_memory)")
     assert r.stdout.strip() == "0"  # kept as it was
-    r = kernel.run("before = reserve.stats['taken_bytes']")
+    r = kernel.run("before = fastpath.stats['taken_bytes']")
     for _ in range(2):
         assert kernel.run(cell).status == "ok"
-    r = kernel.run("print(bool((y == (np.arange(1 << 20) + 2) * 2).all()), got, reserve.stats['taken_bytes'] - before,"
+    r = kernel.run("print(bool((y == (np.arange(1 << 20) + 2) * 2).all()), got, fastpath.stats['taken_bytes'] - before,"
                    " inheap[0])")
     assert r.stdout.split() == ["True", "0", "0", "0"], r.stdout  # no heap block made either
 
 
 def test_a_session_worker_gets_memory_for_its_next_inputs(kernel: Kernel) -> None:
     assert kernel.run("import numpy as np\nx = np.ones(1 << 20)").status == "ok"
-    cell = "%%gpu --session s --in x --out t\nfrom jupyter_gpulease.worker import reserve\nt = reserve.stats['taken_bytes']"
+    cell = "%%gpu --session s --in x --out t\nfrom jupyter_gpulease.wire import fastpath\nt = fastpath.stats['taken_bytes']"
     assert kernel.run(cell).status == "ok"
     got = []
     for _ in range(2):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ from tornado.websocket import websocket_connect
 
 from gpulease_protocol.address import SYSTEM_SOCKET
 from jupyter_gpulease.client import BrokerClient, BrokerError
+from jupyter_gpulease.serverext.embedded import EmbeddedBroker, EmbeddedBrokerError
 
 
 def enabled(extra: dict | None = None) -> dict:
@@ -84,6 +87,42 @@ async def test_renew_and_broker_errors_pass_through(jp_fetch, client):
         client.lease("no-such-lease")
 
 
+async def test_only_allow_listed_calls_reach_the_broker(jp_fetch, client):
+    lease = client.request_lease(1, duration_seconds=1800)
+    assert client.notify()  # the broker answers these paths; the proxy does not pass them on
+    for method, parts, body in [("GET", ("notify",), None), ("PUT", ("notify",), "{}"),
+                                ("POST", ("leases", lease["id"], "processes"), json.dumps({"pid": os.getpid()})),
+                                ("PUT", ("leases",), "{}"), ("GET", ("leases", lease["id"], "nothing"), None),
+                                ("GET", ("reservations",), None), ("GET", ("leases", "a" * 65), None)]:
+        with pytest.raises(HTTPClientError) as e:
+            await jp_fetch("gpulease", "api", *parts, method=method, body=body)
+        assert e.value.code == 404, (method, parts)
+        assert json.loads(e.value.response.body)["reason"] == "not_found"
+    assert client.lease(lease["id"])["pids"] == []
+    history = await get_json(jp_fetch, "leases", lease["id"], "history")
+    assert history["transitions"][0]["to"] == client.history(lease["id"])[0]["to"]
+    await get_json(jp_fetch, "leases", lease["id"], method="DELETE")
+    assert client.lease(lease["id"])["state"] not in ("granted", "active", "idle")
+
+
+async def test_broker_refusals_pass_through_with_their_status(jp_fetch):
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("gpulease", "api", "leases", method="POST", body="{not json")
+    assert e.value.code == 400
+    assert json.loads(e.value.response.body)["status"] == 400
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("gpulease", "api", "leases", method="POST", body=json.dumps({"gpus": 99}))
+    assert 400 <= e.value.code < 500
+    body = json.loads(e.value.response.body)
+    assert body["status"] == e.value.code and body["reason"]
+
+
+async def test_many_proxied_calls_at_once_do_not_queue_behind_each_other(jp_fetch, client):
+    lease = client.request_lease(1, duration_seconds=1800)
+    answers = await asyncio.gather(*(get_json(jp_fetch, "leases", lease["id"]) for _ in range(40)))
+    assert {a["id"] for a in answers} == {lease["id"]}
+
+
 async def test_requires_authentication(jp_fetch, jp_http_port, jp_base_url):
     await jp_fetch("gpulease", "api", "gpus")  # authenticated: fine
     http = AsyncHTTPClient()
@@ -148,6 +187,25 @@ async def test_embedded_broker_starts_when_none_is_configured(jp_fetch, jp_serve
     await gl.stop_extension()
     assert proc.poll() is not None
     assert "GPULEASE_BROKER" not in os.environ
+
+
+def test_embedded_broker_readiness_and_failure_come_from_its_status_line(tmp_path):
+    if os.path.exists(SYSTEM_SOCKET):
+        pytest.skip(f"a system broker socket exists at {SYSTEM_SOCKET}; this test needs a host without one")
+    log = logging.getLogger("test-embedded")
+    run = Path(tempfile.mkdtemp(prefix="gle")) / "run"
+    first = EmbeddedBroker(str(run / "a.sock"), 2, log)
+    try:
+        assert first.start() == "simulated"  # --inventory=auto said no_driver on this host: simulated GPUs
+        assert len(BrokerClient(first.url).gpus()["gpus"]) == 2
+        second = EmbeddedBroker(str(run / "b.sock"), 2, log)  # the same store, which the first one holds
+        with pytest.raises(EmbeddedBrokerError) as e:
+            second.start()
+        assert e.value.code == 2 and e.value.reason == "store_locked"
+        assert second.proc is None or second.proc.poll() is not None
+    finally:
+        first.stop()
+    assert first.proc is None
 
 
 async def test_artifacts_lists_recent_runs_relative_to_the_root_dir(jp_fetch, jp_root_dir, jp_serverapp):

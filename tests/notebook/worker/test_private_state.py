@@ -37,7 +37,8 @@ from waiting import wait_for
 from gpulease_protocol.private import UnsafePathError, private_dir
 from jupyter_gpulease.kernel.sessions import park_dir, park_target
 from jupyter_gpulease.serverext.artifacts import recent_artifacts
-from jupyter_gpulease.worker import park, transfer
+from jupyter_gpulease.wire import transfer
+from jupyter_gpulease.worker import park
 
 pytestmark = pytest.mark.attack
 

@@ -16,7 +16,7 @@ from jupyter_gpulease.executors.base import WorkerCrashed
 from jupyter_gpulease.executors.local import LocalWorker as Worker
 from jupyter_gpulease.kernel import cellrun, drive
 from jupyter_gpulease.kernel.cellcode import free_names, select_inputs
-from jupyter_gpulease.worker import transfer, vmcopy
+from jupyter_gpulease.wire import transfer, vmcopy
 
 
 def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> None:  # type: ignore[no-untyped-def]

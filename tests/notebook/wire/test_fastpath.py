@@ -1,4 +1,4 @@
-"""Reserves: memory faulted in ahead of a transfer (real mappings, real worker processes)."""
+"""Memory faulted in ahead of a transfer (real mappings, real worker processes)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from waiting import wait_for
 
 from jupyter_gpulease.executors.local import LocalWorker as Worker
 from jupyter_gpulease.kernel import cellrun, drive
-from jupyter_gpulease.worker import reserve, transfer, vmcopy
+from jupyter_gpulease.wire import fastpath, transfer, vmcopy
 
 MIB = 1 << 20
 
 
 def test_buffers_are_cut_page_aligned_from_a_reserve_and_hold_their_data() -> None:
-    r = reserve.Reserve(8 * MIB)
+    r = fastpath.Prefaulted(8 * MIB)
     a, b = r.take([3 * MIB + 5, 2 * MIB])
     assert (len(a), len(b)) == (3 * MIB + 5, 2 * MIB)
-    assert vmcopy.address(a) % reserve.ALIGN == 0 and vmcopy.address(b) % reserve.ALIGN == 0
+    assert vmcopy.address(a) % fastpath.ALIGN == 0 and vmcopy.address(b) % fastpath.ALIGN == 0
     assert vmcopy.address(b) - vmcopy.address(a) >= len(a)  # no overlap
     x = np.frombuffer(b, dtype="u1")
     x[:] = 7
@@ -26,16 +26,16 @@ def test_buffers_are_cut_page_aligned_from_a_reserve_and_hold_their_data() -> No
 
 
 def test_what_does_not_fit_gets_fresh_memory() -> None:
-    r = reserve.Reserve(2 * MIB)
+    r = fastpath.Prefaulted(2 * MIB)
     assert r.take([3 * MIB]) is None and r.spent()  # too small: given back, not half used
-    (d,) = reserve.destinations([3 * MIB], reserve.Reserve(2 * MIB))
+    (d,) = fastpath.destinations([3 * MIB], fastpath.Prefaulted(2 * MIB))
     assert len(d) == 3 * MIB
-    (d,) = reserve.destinations([MIB], None)
+    (d,) = fastpath.destinations([MIB], None)
     assert len(d) == MIB
 
 
 def test_expected_sizes_follow_recent_cells_within_the_limit() -> None:
-    sizes = reserve.Sizes(keep=3)
+    sizes = fastpath.Sizes(keep=3)
     sizes.note(5 * MIB)
     assert sizes.expected() == 0  # no limit: no reserves (GpuMagics.warm_memory = 0)
     sizes.limit = 64 * MIB
@@ -48,10 +48,10 @@ def test_expected_sizes_follow_recent_cells_within_the_limit() -> None:
 
 
 def test_a_spare_is_prepared_for_the_next_cell_and_taken_once() -> None:
-    sizes = reserve.Sizes()
+    sizes = fastpath.Sizes()
     sizes.limit = 64 * MIB
     sizes.note(4 * MIB)
-    if not reserve.room_for(4 * MIB):
+    if not fastpath.room_for(4 * MIB):
         pytest.skip("this host is short of memory right now: no reserve is made (by design)")
     sizes.prepare(0.0)
     spare = wait_for(lambda: sizes._spare, 30, "the spare reserve")
@@ -62,10 +62,10 @@ def test_a_spare_is_prepared_for_the_next_cell_and_taken_once() -> None:
 
 
 def test_no_reserve_without_room_for_it() -> None:
-    available, total = reserve.memory()
+    available, total = fastpath.memory()
     assert total > 0 and 0 < available <= total
-    assert reserve.make(total) is None  # never more than the host can spare
-    assert reserve.make(0) is None
+    assert fastpath.prefault(total) is None  # never more than the host can spare
+    assert fastpath.prefault(0) is None
 
 
 def test_a_waiting_worker_copies_its_inputs_into_its_reserve() -> None:
@@ -74,9 +74,9 @@ def test_a_waiting_worker_copies_its_inputs_into_its_reserve() -> None:
     big = np.arange(1 << 20, dtype="f8")  # 8 MiB
     w = Worker(session=True)
     try:
-        w.submit({"type": "reserve", "nbytes": big.nbytes})  # what the warm pool sends a new worker
-        code = ("from jupyter_gpulease.worker import reserve\n"
-                "taken = reserve.stats['taken_bytes']\ny = big * 2")
+        w.submit({"type": "hold", "nbytes": big.nbytes})  # what the warm pool sends a new worker
+        code = ("from jupyter_gpulease.wire import fastpath\n"
+                "taken = fastpath.stats['taken_bytes']\ny = big * 2")
         msg = cellrun.job_message(cellrun.Job(code=code, inputs={"big": big}, out=["taken", "y"]), {},
                                   transfer.shm_dir(), True)
         result = drive.drive(w, msg, drive.Sinks(lambda text: None, lambda text: None), 5.0)
@@ -96,11 +96,11 @@ def test_refused_direct_copies_still_fall_back_to_files_when_the_worker_holds_a_
         w = Worker(session=True)
         try:
             big = np.arange(1 << 20, dtype="f8")
-            w.submit({"type": "reserve", "nbytes": big.nbytes})
+            w.submit({"type": "hold", "nbytes": big.nbytes})
             code = "import ctypes\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE: refuse copies\ns = 0.0"
             msg = cellrun.job_message(cellrun.Job(code=code, out=["s"]), {}, transfer.shm_dir(), True)
             drive.drive(w, msg, drive.Sinks(lambda text: None, lambda text: None), 5.0)
-            code = "from jupyter_gpulease.worker import reserve\nt = reserve.stats['taken_bytes']\ns = float(big.sum())"
+            code = "from jupyter_gpulease.wire import fastpath\nt = fastpath.stats['taken_bytes']\ns = float(big.sum())"
             msg = cellrun.job_message(cellrun.Job(code=code, inputs={"big": big}, out=["s", "t"]), {},
                                       transfer.shm_dir(), True)
             errs: list[str] = []

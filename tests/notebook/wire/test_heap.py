@@ -12,7 +12,7 @@ import pytest
 
 from jupyter_gpulease.executors.local import LocalWorker as Worker
 from jupyter_gpulease.kernel import cellrun, drive
-from jupyter_gpulease.worker import heap, reserve, transfer
+from jupyter_gpulease.wire import fastpath, transfer
 
 MIB = 1 << 20
 
@@ -21,7 +21,7 @@ MIB = 1 << 20
 PROBE = """
 import json, resource, time
 import numpy as np
-from jupyter_gpulease.worker import heap
+from jupyter_gpulease.wire import fastpath
 
 def rss():
     for line in open('/proc/self/status'):
@@ -30,7 +30,7 @@ def rss():
 
 x = np.ones({n} // 8)
 before = rss()
-block = heap.make({n})
+block = fastpath.make_heap_block({n})
 if block is None:
     print(json.dumps(None))
     raise SystemExit
@@ -41,7 +41,7 @@ f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 y = x + 1
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 # a free chunk just below the block (a hole smaller than a piece) merges with it: y may start in it
-inside = block.lo - heap.PIECE <= y.ctypes.data and y.ctypes.data + y.nbytes <= block.hi
+inside = block.lo - fastpath.PIECE <= y.ctypes.data and y.ctypes.data + y.nbytes <= block.hi
 ok = bool((y == 2).all())
 del y
 block.give_back()
@@ -51,9 +51,9 @@ print(json.dumps({{"held": held, "faults": faults, "inside": inside, "ok": ok, "
 
 
 def _usable() -> None:
-    if heap._lib() is None or not reserve._can_populate():
+    if fastpath._heap_libc() is None or not fastpath._can_populate():
         pytest.skip("no heap blocks here: they need glibc and MADV_POPULATE_WRITE (Linux 5.14)")
-    if not reserve.room_for(256 * MIB):
+    if not fastpath.room_for(256 * MIB):
         pytest.skip("this host is short of memory right now: no block is made (by design)")
 
 
@@ -63,7 +63,7 @@ def test_a_large_allocation_lands_in_the_block_already_faulted_in_and_the_memory
     out = json.loads(subprocess.run([sys.executable, "-c", PROBE.format(n=n)], capture_output=True, text=True,
                                     check=True, timeout=120).stdout)
     assert out is not None
-    assert out["nbytes"] >= n + heap.slack(n)  # room too for what the cell allocates before its large values
+    assert out["nbytes"] >= n + fastpath.heap_slack(n)  # room too for what the cell allocates before its large values
     assert out["held"] >= n  # faulted in ahead, while nothing used it
     assert out["inside"] and out["ok"]  # numpy's malloc served y from the block
     assert out["faults"] < 64, out  # ... with no page to fault in (128 MiB in small pages: 32,768 faults)
@@ -71,20 +71,20 @@ def test_a_large_allocation_lands_in_the_block_already_faulted_in_and_the_memory
 
 
 def test_nothing_is_made_without_a_size_or_without_room_or_when_a_job_comes_meanwhile() -> None:
-    assert heap.make(0) is None
-    _, total = reserve.memory()
-    assert heap.make(total) is None  # never more than the host can spare
+    assert fastpath.make_heap_block(0) is None
+    _, total = fastpath.memory()
+    assert fastpath.make_heap_block(total) is None  # never more than the host can spare
     _usable()
-    made = heap.stats["made"]
-    assert heap.make(64 * MIB, busy=lambda: True) is None  # a job came: it goes first, the block is not made
-    assert heap.stats["made"] == made
+    made = fastpath.heap_stats["made"]
+    assert fastpath.make_heap_block(64 * MIB, busy=lambda: True) is None  # a job came: it goes first, the block is not made
+    assert fastpath.heap_stats["made"] == made
 
 
 def test_a_waiting_worker_gives_its_block_back_when_memory_runs_short() -> None:
     _usable()
-    probe = ("import json, sys\nfrom _queue import SimpleQueue\nfrom jupyter_gpulease.worker import held, reserve\n"
+    probe = ("import json, sys\nfrom _queue import SimpleQueue\nfrom jupyter_gpulease.wire import fastpath\nfrom jupyter_gpulease.worker import held\n"
              "h = held.Held()\nh.make(0, 64 << 20)\nmade = h.heap is not None\n"
-             "reserve.short_of_memory = lambda: True  # what the host says when it runs short: the block goes back\n"
+             "fastpath.short_of_memory = lambda: True  # what the host says when it runs short: the block goes back\n"
              "h.CHECK_SECONDS = 0.01\nq = SimpleQueue()\n"
              "import threading\nthreading.Timer(0.5, q.put, args=({'type': 'stop'},)).start()\n"
              "msg = h.wait(q)\nprint(json.dumps({'made': made, 'kept': h.heap is not None, 'msg': msg}))")
@@ -98,9 +98,9 @@ def test_a_cells_own_result_lands_in_the_block_its_worker_made_while_waiting() -
     x = np.arange(4 << 20, dtype="f8")  # 32 MiB
     w = Worker(session=True)
     try:
-        w.submit({"type": "reserve", "nbytes": x.nbytes, "heap": x.nbytes})  # what the warm pool sends
-        code = ("from jupyter_gpulease.worker import heap\ny = x * 2\n"
-                "inside = heap.stats['lo'] <= y.ctypes.data < heap.stats['hi']")
+        w.submit({"type": "hold", "nbytes": x.nbytes, "heap": x.nbytes})  # what the warm pool sends
+        code = ("from jupyter_gpulease.wire import fastpath\ny = x * 2\n"
+                "inside = fastpath.heap_stats['lo'] <= y.ctypes.data < fastpath.heap_stats['hi']")
         msg = cellrun.job_message(cellrun.Job(code=code, inputs={"x": x}, out=["y", "inside"]), {},
                                   transfer.shm_dir(), True)
         outcome = cellrun.Outcome({})

@@ -1,5 +1,5 @@
-"""The client's HTTP/1.1 connection (``jupyter_gpulease.http1``) against a server that answers what each test
-scripts, byte for byte, on a real Unix socket: the answer shapes HTTP allows (length, chunked, until close), a
+"""The client's transport (``http.client`` on a kept-alive connection, ``BrokerClient``) against a server that
+answers what each test scripts, byte for byte, on a real Unix socket: the answer shapes HTTP allows (length, chunked, until close), a
 kept-alive connection the server closed while idle (sent again once, on a new connection), and answers that are
 not HTTP. The broker itself is the peer in every other client test."""
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpulease import http1
 from jupyter_gpulease.client import BrokerClient, BrokerError, BrokerUnreachable
 
 Script = Callable[[socket.socket, bytes], bool]  # (connection, request bytes) -> keep the connection open
@@ -77,7 +76,7 @@ def answer(body: bytes, status: str = "200 OK", extra: str = "") -> bytes:
     return f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
-def test_one_write_per_request_and_a_kept_alive_connection(serve) -> None:
+def test_requests_share_a_kept_alive_connection(serve) -> None:
     server, client = serve(lambda conn, req: conn.sendall(answer(b'{"ok": 1}')) or True)
     assert client.request("POST", "/api/v1/leases", {"gpus": 1}) == {"ok": 1}
     assert client.request("GET", "/api/v1/info") == {"ok": 1}
@@ -122,7 +121,7 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_once(serve) -> No
         return False  # closes without answering: not stale on a new connection, the broker is away
 
     _, client = serve(never)
-    with pytest.raises(BrokerUnreachable, match="without answering"):
+    with pytest.raises(BrokerUnreachable):
         client.request("GET", "/api/v1/info")
 
 
@@ -134,7 +133,7 @@ def test_errors_and_answers_that_are_not_http(serve) -> None:
     assert (e.value.status, e.value.reason, e.value.message) == (409, "conflict", "ended")
 
     _, client = serve(lambda conn, req: conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n\r\n") or False)
-    with pytest.raises(BrokerUnreachable, match="not an HTTP/1.1 answer"):
+    with pytest.raises(BrokerUnreachable):
         client.request("GET", "/api/v1/info")
 
     _, client = serve(lambda conn, req: conn.sendall(answer(b"<html>proxy error</html>", "502 Bad Gateway")) or True)
@@ -143,7 +142,7 @@ def test_errors_and_answers_that_are_not_http(serve) -> None:
     assert e.value.status == 502 and "proxy error" in e.value.message
 
     _, client = serve(lambda conn, req: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}") or False)
-    with pytest.raises(BrokerUnreachable, match="middle of the answer's body"):
+    with pytest.raises(BrokerUnreachable):
         client.request("GET", "/api/v1/info")
 
 
@@ -155,17 +154,6 @@ def test_a_timeout_closes_the_connection_and_says_the_broker_did_not_answer(serv
         client.request("GET", "/api/v1/info")
     gate.set()
     assert client._local.conn.sock is None  # never reused with an answer pending
-
-
-def test_http1_connection_alone(tmp_path: Path) -> None:
-    """Without the client: a HEAD answer has no body even with a Content-Length."""
-    server = Server(str(tmp_path / "h.sock"), lambda conn, req: conn.sendall(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n") or True)
-    conn = http1.Connection(server.path, "localhost", 0, 5)
-    got = conn.request("HEAD", "/", {}, None)
-    assert got.status == 200 and got.body == b"" and got.headers["content-length"] == "5"
-    conn.close()
-    server.sock.close()
 
 
 def test_the_token_goes_over_the_socket_only_when_the_server_asks_for_it(serve, monkeypatch) -> None:

@@ -23,16 +23,15 @@ import os
 import struct
 import sys
 
-from gpulease_protocol.private import create_private, open_private
+from gpulease_protocol.private import create_private, open_private, private_dir
 
 from . import vmcopy
-from .env import user_dir
 
 TYPE_CHECKING = False  # typing only for the type checker: this module is on every cold start
 if TYPE_CHECKING:
     from typing import IO, Any
 
-    from .reserve import Reserve
+    from .fastpath import Prefaulted
 
 # cloudpickle is imported only when needed: a cold worker that runs a plain cell starts faster,
 # and unpickling what cloudpickle wrote imports it by itself.
@@ -40,6 +39,13 @@ if TYPE_CHECKING:
 # Buffers smaller than this stay in-band: a file per small array costs more than it saves.
 OOB_MIN_BYTES = 1 << 20
 _HEADER = struct.Struct("!Q")
+
+
+def user_dir(base: str) -> str:
+    """This user's own directory under ``base`` (``/dev/shm``, the temporary directory): ``gpulease-<uid>``, mode
+    0700, never one another user made first (``private_dir``: refused, with the path and its owner). What a kernel
+    or worker keeps for itself goes there: values on their way, parked sessions, artifacts staged for upload."""
+    return private_dir(os.path.join(base, f"gpulease-{os.geteuid()}"))
 
 
 class TransferError(Exception):
@@ -259,10 +265,10 @@ def push(pid: int, hold: list[memoryview], ask: dict[str, Any], directory: str |
     return {"type": "vm_done", "ok": False, "file": path, "spans": spans}
 
 
-def pull(pid: int, packed: dict[str, Any], into: Reserve | None = None) -> bool:
+def pull(pid: int, packed: dict[str, Any], into: Prefaulted | None = None) -> bool:
     """Copy the buffers a worker's result names into this process (``packed["buffers"]``), into memory cut from
     ``into`` when they fit; False if refused."""
-    from .reserve import destinations
+    from .fastpath import destinations
 
     dests = destinations([n for _, n in packed["vm"]], into)
     if not vmcopy.copy_unless_refused(pid, vmcopy.spans(dests), packed["vm"], write=False):
@@ -271,12 +277,12 @@ def pull(pid: int, packed: dict[str, Any], into: Reserve | None = None) -> bool:
     return True
 
 
-def receive(packed: dict[str, Any], ask: Any, into: Reserve | None = None) -> Any:
+def receive(packed: dict[str, Any], ask: Any, into: Prefaulted | None = None) -> Any:
     """The worker's loads(): buffers the kernel holds are copied into memory here first (cut from ``into``, memory
     faulted in while the worker waited, when they fit)."""
     if not packed.get("vm"):
         return loads(packed)
-    from .reserve import destinations
+    from .fastpath import destinations
 
     dests = destinations([n for _, n in packed["vm"]], into)
     reply = ask({"type": "vm_dest", "addrs": vmcopy.spans(dests)})
