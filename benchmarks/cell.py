@@ -190,7 +190,7 @@ def _transfer(k: _Kernel, peers: dict[str, cell_peers.Peer], missing: dict[str, 
         f"{mib} of numpy in and out (y = x + 1), fresh %%gpu", "ms", gpu, "the same cell inline", inline, bar=None,
         note="buffers travel out of band (pickle protocol 5), copied by the kernel straight into the worker's memory "
              "and back out of it (process_vm_writev/readv, in parallel), into memory faulted in ahead: the warm "
-             "worker's reserve for its inputs, the kernel's spare for the results (worker/reserve.py). The cells' "
+             "worker's memory for its inputs, the kernel's spare for the results (wire/fastpath.py). The cells' "
              "order rotates each round, 0.3 s apart.",
     )]
     figures.append(figure(
@@ -285,9 +285,8 @@ def _run_all(tmp: str, n: int, blocks: int) -> list[Figure]:
         "Run All: back-to-back trivial %%gpu cells on one GPU", "ms", ms[1],
         "the same on two GPUs (no request waits)", ms[2], bar=("median", "<=", 1.25 * statistics.median(ms[2])),
         note=f"bar: within 25 % of the two-GPU median. {blocks} blocks of {n} cells each sent the moment the last one answered, through jupyter_client; "
-             "on one GPU each cell's request arrives while the last cell's lease is held back "
-             "(cellrun.RELEASE_AFTER, 30 ms after the result, so the release does not compete with the answer): "
-             "the request queues and lets that release go at once (acquire.HELD) instead of waiting it out.",
+             "on one GPU each cell's request arrives while the last cell's worker exits and its lease is given back: "
+             "the request queues for that GPU and is granted at the release.",
     )]
 
 

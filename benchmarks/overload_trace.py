@@ -16,6 +16,8 @@ The same seed gives the same file, byte for byte. The distributions:
   the median is about 15 minutes and the mean about 1.2 hours.
 - **Users**: ``users`` (60) submitters, the k-th with weight 1/k^1.1 (Zipf: the heaviest submits about a quarter of
   the jobs, two thirds submit fewer than 1 % each), so fair share orders the queue as on a shared cluster.
+  ``users=0``: no user column, so every job is its own user (as in a real trace without user ids), all at the
+  same fair-share score while they wait: ``--jobs 31000 --load 3.4 --users 0`` is the many-users month.
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ def _clip(d: float) -> float:
 def generate(path: str | Path, jobs: int = 30000, days: float = 30, gpus_total: int = 64, load: float = 3.0,
              seed: int = 1, users: int = USERS) -> Path:
     """Write the trace to ``path`` and return it; see the module's docstring for the distributions."""
-    if jobs < 1 or days <= 0 or gpus_total < 8 or load <= 0 or users < 1:
+    if jobs < 1 or days <= 0 or gpus_total < 8 or load <= 0 or users < 0:
         raise ValueError(f"Invalid trace: jobs={jobs!r} days={days!r} gpus_total={gpus_total!r} load={load!r} "
                          f"users={users!r} (need jobs >= 1, days > 0, gpus_total >= 8 for the 8-GPU jobs, load > 0, "
-                         "users >= 1)")
+                         "users >= 0)")
     rng = random.Random(seed)
     starts = _arrivals(rng, jobs, days)
     sizes, weights = [s for s, _ in SIZES], [w for _, w in SIZES]
@@ -83,8 +85,8 @@ def generate(path: str | Path, jobs: int = 30000, days: float = 30, gpus_total: 
         lo, hi = (mid, hi) if _offered(gpus, shapes, mid) < target else (lo, mid)
     median = math.sqrt(lo * hi)
     rank_weights = [1.0 / (k + 1) ** ZIPF for k in range(users)]
-    owners = [f"user{k:03d}" for k in rng.choices(range(users), rank_weights, k=jobs)]  # after the rest: the
-    # arrivals, sizes and durations are those of a trace without users
+    owners = [f"user{k:03d}" for k in rng.choices(range(users), rank_weights, k=jobs)] if users else [""] * jobs
+    # (drawn after the rest: the arrivals, sizes and durations are those of a trace without users)
     out = Path(path)
     with out.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=64, help="GPUs of the cluster the load is relative to (default 64)")
     p.add_argument("--load", type=float, default=3.0, help="offered load, in cluster capacities (default 3)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    p.add_argument("--users", type=int, default=USERS, help=f"users who submit (Zipf law; default {USERS})")
+    p.add_argument("--users", type=int, default=USERS, help=f"users who submit (Zipf law; default {USERS}; 0: every job its own user)")
     a = p.parse_args(argv)
     try:
         generate(a.out, a.jobs, a.days, a.gpus, a.load, a.seed, a.users)

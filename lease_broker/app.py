@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
@@ -11,10 +12,11 @@ import sys
 from typing import Any
 
 from tornado import ioloop
-from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Unicode, default, validate
+from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Type, Unicode, default, validate
 from traitlets.config import Application, catch_config_error
 
 from gpulease_protocol import address
+from gpulease_protocol.entry_points import EntryPointType
 
 from . import __version__
 from .api.auth import MODES, Admins, Authenticator
@@ -22,8 +24,7 @@ from .api.hub import HubIdentity, remembering
 from .core.clock import Clock
 from .core.errors import LeaseError
 from .core.identity import Namespaces, hash_secret, new_token
-from .host.users import forget_groups
-from .inventory import Inventory, inventory_class
+from .inventory import Inventory
 from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager.manager import LeaseManager
@@ -33,16 +34,6 @@ from .service import BrokerService, trusted_place
 from .store.lease_store import Store
 from .store.lock import StoreLock
 from .store.notify_store import NotifyStore
-
-
-def _nvidia_driver_present() -> bool:
-    if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl"):
-        return True
-    try:  # a driver library without device files (containers, tests with a fake libnvidia-ml)
-        from .inventory.nvml import nvml_loadable
-    except ImportError:
-        return False
-    return nvml_loadable() is None
 
 
 class TokenApp(Application):
@@ -74,13 +65,19 @@ class LeaseBroker(Application):
     examples = "lease-broker --inventory=simulated --gpus=4\nlease-broker --generate-config"
     classes = [LeasePolicy, HubIdentity, SimulatedInventory, NVMLInventory, Notifier]
 
-    inventory_name = Unicode(
+    inventory_class = EntryPointType(
         "auto",
+        Inventory,
+        group="jupyter_gpulease.inventories",
         config=True,
         help="Where GPUs come from: 'nvml' (the NVIDIA driver), 'simulated' (demo/test GPUs, labelled "
-        "simulated everywhere), an entry-point name or 'module:Class'. 'auto' uses NVML when an NVIDIA "
-        "driver is present and refuses to start otherwise.",
+        "simulated everywhere), 'ray', 'slurm', another entry-point name of jupyter_gpulease.inventories, "
+        "'module:Class' or an Inventory subclass. 'auto' is NVML, which refuses to start without an NVIDIA driver.",
     )
+    policy_class = Type(LeasePolicy, klass=LeasePolicy, config=True,
+                        help="The LeasePolicy (sub)class that limits requests, e.g. 'mypackage.MyPolicy'.")
+    store_class = Type(Store, klass=Store, config=True,
+                       help="The lease store (a Store subclass) that keeps leases in SQLite at db_path.")
     socket_path = Unicode(
         config=True,
         help="Unix socket to serve on (callers are identified by their uid). Default: "
@@ -152,6 +149,13 @@ class LeaseBroker(Application):
         "peer. Example: 1000.",
     )
     config_file = Unicode("lease_broker_config.py", config=True, help="Config file to load (Python, traitlets).")
+    ready_fd = Integer(
+        -1,
+        config=True,
+        help="A file descriptor the broker inherits and writes one JSON line to, then closes: "
+        '{"ready": true, "urls": [...], "inventory": kind} once it serves, or {"ready": false, "reason": slug, '
+        '"message": text} when it cannot start (what a process that starts it waits on), e.g. 3. -1: none.',
+    )
     generate_config = Bool(False, config=True, help="Print a config file documenting every option, then exit.")
 
     policy = Instance(LeasePolicy)
@@ -159,7 +163,7 @@ class LeaseBroker(Application):
     hub = Instance(HubIdentity, allow_none=True)
 
     aliases = {
-        "inventory": "LeaseBroker.inventory_name",
+        "inventory": "LeaseBroker.inventory_class",
         "gpus": "SimulatedInventory.gpus",
         "nodes": "SimulatedInventory.nodes",
         "socket": "LeaseBroker.socket_path",
@@ -171,6 +175,7 @@ class LeaseBroker(Application):
         "heartbeat-timeout": "LeasePolicy.heartbeat_timeout",
         "tick": "LeaseBroker.tick_seconds",
         "identity": "LeaseBroker.identity",
+        "ready-fd": "LeaseBroker.ready_fd",
     }
     flags = {
         "debug": ({"Application": {"log_level": logging.DEBUG}}, "Log at DEBUG level."),
@@ -225,7 +230,7 @@ class LeaseBroker(Application):
             logging.getLogger(name).handlers = self.log.handlers
             logging.getLogger(name).setLevel(self.log_level)  # type: ignore[arg-type]
             logging.getLogger(name).propagate = False
-        self.policy = LeasePolicy(parent=self)
+        self.policy = self.policy_class(parent=self, unix_user_of=self.namespaces().unix_name)
         if self.identity != "unix":
             self.hub = HubIdentity(parent=self, namespaces=self.namespaces())
             self.hub.start()
@@ -233,22 +238,20 @@ class LeaseBroker(Application):
                 self.log.warning("LeaseBroker.admin_users and admin_groups name Unix users and groups, which identity "
                                  "'hub' does not know: name JupyterHub admins in LeaseBroker.hub_admin_users and "
                                  "hub_admin_groups (or set LeaseBroker.hub_users_are_unix_users = True)")
-        self.inventory = self._make_inventory()
+        self.inventory = self.inventory_class(parent=self)
+
+    def announce(self, status: dict[str, Any]) -> None:
+        """Write ``status`` as the one line on ``ready_fd`` and close it (once; nothing without one)."""
+        fd, self.ready_fd = self.ready_fd, -1
+        if fd >= 0:
+            try:
+                os.write(fd, (json.dumps(status) + "\n").encode())
+                os.close(fd)
+            except OSError as e:
+                self.log.warning("Cannot write the broker's status to --ready-fd=%d: %s", fd, e)
 
     def namespaces(self) -> Namespaces:
         return Namespaces.of(self.identity, self.hub_users_are_unix_users)
-
-    def _make_inventory(self) -> Inventory:
-        name = self.inventory_name
-        if name == "auto":
-            if not _nvidia_driver_present():
-                raise LeaseError(
-                    "No NVIDIA driver found on this host: start with --inventory=simulated for simulated GPUs "
-                    "(demos and tests), or install the driver",
-                    reason="no_driver",
-                )
-            name = "nvml"
-        return inventory_class(name)(parent=self)
 
     def start(self) -> None:
         if self.subapp is not None:
@@ -274,8 +277,7 @@ class LeaseBroker(Application):
         lock.acquire()
         gc.disable()
         try:
-            self.policy.unix_user_of = self.namespaces().unix_name
-            store = Store(self.db_path)
+            store = self.store_class(self.db_path)
             manager = LeaseManager(store, self.inventory, self.policy)
             for user, groups in manager.admin_store.learned_groups().items():  # JupyterHub's, known before calls
                 self.policy.learn_groups(user, groups)
@@ -313,14 +315,15 @@ class LeaseBroker(Application):
         loop = ioloop.IOLoop.current()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_event_loop().add_signal_handler(sig, lambda: loop.add_callback_from_signal(loop.stop))
-        def reload() -> None:  # SIGHUP: read Unix groups again, re-read the config file, apply its policy
+        def reload() -> None:  # SIGHUP: read groups again, re-read the config file, apply its policy
             admins.forget()
-            forget_groups()
+            self.policy.reload()
             manager.policy_admin.reload_file(self.config_file, self.cli_config)
 
         asyncio.get_event_loop().add_signal_handler(signal.SIGHUP, reload)
         # announce readiness last, so supervisors and tests can wait for it
         print(f"lease-broker ready: {' '.join(where)}", flush=True)
+        self.announce({"ready": True, "urls": where, "inventory": self.inventory.kind})
         try:
             loop.start()
         finally:
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
         LeaseBroker.launch_instance(argv)
     except LeaseError as e:
         print(f"lease-broker: {e.message}", file=sys.stderr)
+        if LeaseBroker.initialized():
+            LeaseBroker.instance().announce({"ready": False, "reason": e.reason, "message": e.message})
         sys.exit(2)
 
 

@@ -114,7 +114,7 @@ class BrokerService:
         log.info("Connections: at most %d open (limit of open files %d), %s per peer", self.limits.total,
                  self.limits.descriptors, self.limits.per_peer or "no limit")
         self.server = BrokerHTTPServer(self.app, idle_connection_timeout=request_timeout * 10,
-                                       body_deadline=request_timeout, max_body_size=1 << 20, xheaders=False,
+                                       body_timeout=request_timeout, max_body_size=1 << 20, xheaders=False,
                                        limits=self.limits)
         self.tick_seconds = tick_seconds
         self.sample_seconds = sample_seconds
@@ -137,6 +137,8 @@ class BrokerService:
         return int(socks[0].getsockname()[1])
 
     def start(self) -> None:
+        # from here an event-loop iteration's writes share one transaction and its requests one pass
+        self.manager.driver.attach(ioloop.IOLoop.current().asyncio_loop)  # type: ignore[attr-defined]
         tick = ioloop.PeriodicCallback(self._tick, self.tick_seconds * 1000)
         fast = ioloop.PeriodicCallback(self._fast, 50)
         self._timers = [tick, fast]
@@ -144,7 +146,6 @@ class BrokerService:
             self._timers.append(ioloop.PeriodicCallback(self._sample, self.sample_seconds * 1000))
         for t in self._timers:
             t.start()
-        self.server.start_sweeping()
         ioloop.IOLoop.current().add_callback(self.manager.holders.tick)  # the restored holders, watched from the start
         if self.notifier is not None:
             ioloop.IOLoop.current().add_callback(self.notifier.start)  # its tasks run in the loop

@@ -33,7 +33,7 @@ class BrokerProcess:
             self.socket = os.path.join(tempfile.mkdtemp(prefix="gl"), "b.sock")
         self.db = str(self.workdir / "leases.db")
         self.url = "unix://" + self.socket
-        chosen = any(a.startswith(("--inventory=", "--LeaseBroker.inventory_name=")) for a in args or [])
+        chosen = any(a.startswith(("--inventory=", "--LeaseBroker.inventory_class=")) for a in args or [])
         self.args = [*([] if chosen else ["--inventory=simulated"]), f"--gpus={gpus}", f"--nodes={nodes}", *(args or [])]
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None

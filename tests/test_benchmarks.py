@@ -115,3 +115,18 @@ def test_quick_holders_benchmark_measures_every_way_a_kernel_ends(tmp_path: Path
         assert f["n"] >= 1 and f["baseline"]["n"] >= 1 and f["bar"], f["name"]
     assert figures["false revocations (holder_gone) of this run's kernels"]["max"] == 0
     assert "<!-- bench:holders -->" in out.read_text()
+
+
+def test_quick_queue_and_month_benchmarks_measure_many_users(tmp_path: Path) -> None:
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "queue", "--only", "replay_month", "--output",
+         str(out), "--json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    modules = json.loads(data.read_text())["modules"]
+    names = [f["name"] for f in modules["queue"]["figures"]]
+    assert any(n.startswith("grant p99 with 500 users queued / with none") for n in names), names
+    (month,) = modules["replay_month"]["figures"]
+    assert month["n"] == 1 and "all 300 jobs granted" in month["note"]

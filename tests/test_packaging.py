@@ -60,7 +60,7 @@ def test_clean_checkout_installs_with_jupyterlab_and_both_extensions_enabled(tmp
     # the [lab] extra brought JupyterLab, and both extensions are found and enabled in the fresh environment
     assert (venv / "bin" / "jupyter-lab").exists(), "the [lab] extra did not install JupyterLab"
     labext = jupyter("labextension", "list")
-    assert "jupyter-gpulease v0.1.0 enabled OK (python, jupyter-gpulease)" in labext, labext
+    assert "jupyter-gpulease v0.1.0" in labext and "enabled" in labext and "OK" in labext, labext
     serverext = jupyter("server", "extension", "list")
     assert any("jupyter_gpulease" in line and "enabled" in line for line in serverext.splitlines()), serverext
     installed = venv / LABEXT
@@ -83,6 +83,6 @@ def test_clean_checkout_installs_with_jupyterlab_and_both_extensions_enabled(tmp
         run = subprocess.run(["bash", str(src / "binder" / "start"), "gpulease", "status"], cwd=src, env=env,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
-        assert "(SIMULATED inventory): 4/4 GPUs free" in run.stdout
+        assert "SIMULATED" in run.stdout and "4/4 GPUs free" in run.stdout
     finally:  # `start` leaves its broker running beside the command it execs, as on Binder
         subprocess.run(["pkill", "-f", f"socket={tmp_path}"], check=False)  # no leading "--": not an option

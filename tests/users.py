@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -90,3 +93,15 @@ def join_child(pid, r):
     result = json.loads(data)
     assert os.waitstatus_to_exitcode(status) == 0, result
     return result
+
+
+@contextmanager
+def unix_group(prefix: str, member) -> Iterator[str]:
+    """A new Unix group (``prefix`` and a random tail) with ``member`` (a passwd entry) in it, removed afterwards."""
+    name = prefix + uuid.uuid4().hex[:8]
+    subprocess.run(["groupadd", name], check=True)
+    subprocess.run(["gpasswd", "-a", member.pw_name, name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["groupdel", name], check=False)

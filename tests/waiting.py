@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -19,6 +20,18 @@ def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "", inter
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or 'the condition'}")
         time.sleep(interval)
+
+
+async def wait_until(cond: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.005) -> T:
+    """:func:`wait_for` inside a test's event loop: the loop runs (the broker's work goes on) between tries."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or 'the condition'}")
+        await asyncio.sleep(interval)
 
 
 def process_alive(pid: int) -> bool:

@@ -37,8 +37,7 @@ class GpusHandler(BaseHandler):
 
 class QueueHandler(BaseHandler):
     async def get(self) -> None:
-        m = self.manager
-        await self.reply({"queue": m.views.queue(self.who, m.clock.now())})
+        await self.reply({"queue": self.manager.queue_view(self.who)})
 
 
 class OpenAPIHandler(BaseHandler):

@@ -71,9 +71,9 @@ class LeaseActionHandler(BaseHandler):
 
 class HistoryHandler(BaseHandler):
     async def get(self, lease_id: str) -> None:
-        lease = self.manager.lookup(lease_id, self.who)
-        await self.reply({"lease_id": lease_id, "transitions": self.manager.store.history(lease_id),
-                          "usage": self.view(lease)["usage"]})
+        transitions = self.manager.history(lease_id, self.who)
+        await self.reply({"lease_id": lease_id, "transitions": transitions,
+                          "usage": self.view(self.manager.lookup(lease_id, self.who))["usage"]})
 
 
 def routes(prefix: str) -> Routes:

@@ -26,7 +26,7 @@ class PolicyHandler(BaseHandler):
         changes = body.get("policy", body) if set(body) <= {"policy"} else body
         if not isinstance(changes, dict) or not changes:
             raise BadRequest("Give the policy fields to change as a JSON object, e.g. {\"max_gpus_per_user\": 4}")
-        diff = self.manager.policy_admin.update(self.who.user, changes, source="api")
+        diff = self.manager.update_policy(self.who, changes)
         await self.reply({"changed": _jsonable(diff), "policy": _jsonable(policy_values(self.manager.policy))})
 
 
@@ -38,7 +38,7 @@ class PolicyAuditHandler(BaseHandler):
         if not digits:
             raise BadRequest(f"Invalid limit={quoted(raw)}: give a whole number >= 1")
         limit = int(digits) if len(digits) <= 5 else 10_000  # int() refuses 4,300 digits and more
-        await self.reply({"audit": self.manager.admin_store.audit_log(min(limit, 10_000))})
+        await self.reply({"audit": self.manager.policy_audit(min(limit, 10_000))})
 
 
 def routes(prefix: str) -> Routes:

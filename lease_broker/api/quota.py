@@ -11,7 +11,7 @@ class QuotaHandler(BaseHandler):
         user = self.get_query_argument("user", "") or self.who.user
         if user != self.who.user:
             self.require_admin("see another user's quota")
-        await self.reply(self.manager.quotas.view(user, self.manager.clock.now()))
+        await self.reply(self.manager.quota(user))
 
 
 def routes(prefix: str) -> Routes:

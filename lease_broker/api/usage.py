@@ -12,9 +12,8 @@ class UsageHandler(BaseHandler):
         since = parse_duration(self.get_query_argument("since", "7d"), "since")
         by, label = self.get_query_argument("by", "user"), self.get_query_argument("label", "")
         now = self.manager.clock.now()
-        report = self.manager.usage.report
-        rows = report(self.who, now - since, now, by, label)
-        users = rows if by == "user" else report(self.who, now - since, now)
+        rows = self.manager.usage_report(self.who, since, by, label)
+        users = rows if by == "user" else self.manager.usage_report(self.who, since)
         await self.reply({"since": now - since, "by": by, "label": label or None, "rows": rows,
                           "users": [{k: v for k, v in u.items() if k != "key"} for u in users]})
 

@@ -196,6 +196,29 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Preempting:
+    """A warning that a blocked request of a higher class (``by_class``) takes the lease's GPUs at ``deadline``. Kept
+    on the lease after it ended, so that its view can say who preempted it."""
+
+    by_lease: str
+    by_user: str
+    by_class: str
+    at: float
+    deadline: float
+
+    def text(self) -> str:
+        return json.dumps(dataclasses.astuple(self))
+
+    @classmethod
+    def parse(cls, text: str) -> Preempting | None:
+        return cls(*json.loads(text)) if text else None
+
+
+#: ``Change(preempting=WITHDRAWN)``: the warning no longer holds (its request was granted elsewhere or left).
+WITHDRAWN = Preempting("", "", "", 0.0, 0.0)
+
+
 @dataclasses.dataclass
 class Lease:
     """A lease as the broker holds it in memory (a row of the store)."""
@@ -217,10 +240,17 @@ class Lease:
     idle_timeout_seconds: float = 0.0
     last_heartbeat: float = 0.0
     last_activity: float = 0.0
-    pids: list[int] = dataclasses.field(default_factory=list)
+    processes: dict[int, int] = dataclasses.field(default_factory=dict)  # attached: pid -> start ticks
     secret_hash: str = ""
     use: LeaseUse = NO_USE  # what it used (from the inventory's samples while it held GPUs)
     holder: tuple[int, int] | None = None  # (pid, start ticks) of the process it ends with (ends_with_caller)
+    preempting: Preempting | None = None  # warned that a higher class takes its GPUs (kept once it ended)
+    warned: frozenset[str] = frozenset()  # the warnings its holder got ("idle", "expiry"): each is sent once
+    pauses: tuple[float, ...] = ()  # its last idle pauses that ended in activity (``pressure_learns_pauses``)
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self.processes)
 
     @property
     def gpu_count(self) -> float:
@@ -230,7 +260,7 @@ class Lease:
 
 
 #: Fields of a lease that only the broker's memory keeps between transitions (not written on their own).
-_SOFT = ("last_activity", "last_heartbeat", "use")
+_SOFT = ("last_activity", "last_heartbeat", "use", "warned", "pauses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +286,10 @@ class Change:
     last_heartbeat: float | None = None
     use: LeaseUse | None = None
     holder: tuple[int, int] | None = None
+    preempting: Preempting | None = None
+    warned: frozenset[str] | None = None
+    pauses: tuple[float, ...] | None = None
+    processes: dict[int, int] | None = None
     attach: tuple[int, int] | None = None
     shift: float = 0.0
     event: str = ""
@@ -277,15 +311,19 @@ class Change:
             value = getattr(self, f.name)
             if value is not None:
                 setattr(lease, f.name, list(value) if f.name == "devices" else value)
+        if self.preempting is WITHDRAWN:
+            lease.preempting = None
         if self.shift:
             for name in TIMES:
                 value = getattr(lease, name)
                 if value is not None:
                     setattr(lease, name, value + self.shift)
+            if lease.preempting is not None and lease.state in HOLDING:  # its grace keeps the time it had left
+                lease.preempting = dataclasses.replace(lease.preempting, deadline=lease.preempting.deadline + self.shift)
         if self.state is not None and self.state.terminal:
             lease.ended_at = now
-        if self.attach is not None and self.attach[0] not in lease.pids:
-            lease.pids = [*lease.pids, self.attach[0]]
+        if self.attach is not None and lease.processes.get(self.attach[0]) != self.attach[1]:
+            lease.processes = {**lease.processes, self.attach[0]: self.attach[1]}
 
 
 _FIELDS = tuple(f for f in dataclasses.fields(Change) if f.name not in ("attach", "shift", "event"))

@@ -21,7 +21,7 @@ class Pending:
 
     @classmethod
     def of(cls, lease: Lease, prefer: tuple[str, ...] = ()) -> Pending:
-        """A queued lease as a pass sees it (``prefer``: see ``manager.warm.WarmRegrants``)."""
+        """A queued lease as a pass sees it (``prefer``: see ``manager.planning.WarmRegrants``)."""
         return cls(lease.id, lease.user, lease.request, lease.seq, lease.duration_seconds, lease.created_at, prefer)
 
 
@@ -38,6 +38,7 @@ class SchedulerPolicy:
         default_factory=lambda: {"low": 0, "normal": 10, "high": 20}
     )
     user_cap: Callable[[str], float] = lambda user: 0.0  # max GPUs held at once; 0 = unlimited
+    capped: bool = True  # whether any user or group may have a cap (False: nobody's is asked)
     max_shares_per_gpu: float = 1.0
     max_leases_per_shared_gpu: int = 4
     backfill_depth: int = 8

@@ -1,25 +1,31 @@
 """The queue of requests waiting for GPUs, kept in scheduling order as requests arrive and leave.
 
 Order: priority class (high first), then the user's fair-share score (lower first), then arrival. The requests
-of one user in one class wait in a *bucket*, in arrival order; the buckets are kept sorted by (class, score), and
-buckets that tie (users with the same score, e.g. new users at 0) interleave by arrival. A bucket takes its user's
-score when the user queues a request and at :meth:`Queue.rescore` (the broker's full pass, every
-``full_pass_seconds``), which re-sorts the buckets, O(users log users), never the requests. Adding and removing a
-request costs O(log n) plus O(users) when a bucket moves; the head and the first request of each shape are read
-without a pass over the queue, and iterating is lazy, so an event's cost does not grow with the queue's depth.
+of one user in one class form a *bucket*, which takes its user's score when the user queues a request and at
+:meth:`Queue.rescore` (the broker's full pass). The buckets of one class and score form a *tier*; a tier keeps the
+arrivals of all its requests in one sorted list (``sortedcontainers.SortedList``), and one per shape, so users
+that tie (new users at score 0, a course queued at a deadline) interleave by arrival in one list however many they
+are. The tiers are sorted by (class, score), and each shape keeps the sorted keys of the tiers that hold it.
+
+Costs, whatever the queue's depth and however many users tie: adding and removing a request, O(log n); the head,
+lazily, O(log n) plus what is read; the first request of each shape after a given one, O(shapes x log n). A score
+change moves a bucket: a bucket alone in its tier takes the tier along (O(shapes x log tiers)); one that leaves or
+joins a tier of other users moves its own requests (O(its requests x log n)). :meth:`Queue.rescore` moves only the
+buckets whose class rank or score changed. A place in the queue and a window deep in it cost O(tiers) to skip the
+tiers before them: O(1) when the users waiting tie.
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
-import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from sortedcontainers import SortedList
 
 from .scheduler import Pending
 
 Shape = tuple[bool, int, str, str, int]  # (shared, min GPUs, locality, GPU type, memory per GPU): requests of one
 # shape need the same GPUs
+TierKey = tuple[int, float]  # (-class rank, score)
 
 
 def shape_of(p: Pending) -> Shape:
@@ -29,18 +35,29 @@ def shape_of(p: Pending) -> Shape:
 
 
 class _Bucket:
-    """One user's requests of one priority class, by arrival (``seq``), and by shape."""
+    """One user's requests of one priority class (their arrivals, ``seq``), which share the user's score."""
 
-    __slots__ = ("priority", "user", "rank", "score", "seqs", "by_shape")
+    __slots__ = ("priority", "user", "rank", "score", "seqs")
 
     def __init__(self, priority: str, user: str, rank: int, score: float) -> None:
         self.priority, self.user, self.rank, self.score = priority, user, rank, score
-        self.seqs: list[int] = []
-        self.by_shape: dict[Shape, list[int]] = {}
+        self.seqs: set[int] = set()
 
     @property
-    def key(self) -> tuple[int, float, str, str]:
-        return (-self.rank, self.score, self.user, self.priority)
+    def tier(self) -> TierKey:
+        return (-self.rank, self.score)
+
+
+class _Tier:
+    """The requests of every bucket of one class and score, by arrival, and by shape and arrival."""
+
+    __slots__ = ("key", "buckets", "seqs", "by_shape")
+
+    def __init__(self, key: TierKey) -> None:
+        self.key = key
+        self.buckets = 0
+        self.seqs = SortedList()
+        self.by_shape: dict[Shape, SortedList] = {}
 
 
 class Queue:
@@ -49,12 +66,13 @@ class Queue:
         self._by_seq: dict[int, Pending] = {}
         self._where: dict[str, tuple[_Bucket, Shape, int]] = {}  # lease id -> its bucket, shape and seq
         self._buckets: dict[tuple[str, str], _Bucket] = {}  # (priority, user) -> bucket
-        self._order: list[_Bucket] = []  # sorted by key
-        self._keys: list[tuple[int, float, str, str]] = []  # their keys
-        self._groups: list[tuple[int, int]] | None = None  # (start, end) in _order of buckets that tie; None: stale
-        self._group_of: dict[int, int] = {}  # id(bucket) -> index of its group (with _groups)
-        self._shapes: dict[Shape, int] = {}  # shape -> requests queued
+        self._tiers: dict[TierKey, _Tier] = {}
+        self._order = SortedList()  # the tiers' keys
+        self._shapes: dict[Shape, SortedList] = {}  # shape -> the keys of the tiers that hold requests of it
         self._users: dict[str, int] = {}  # user -> requests queued
+        self._scored: set[tuple[str, str]] = set()  # the buckets whose score is not 0
+        self._durations = SortedList()  # the queued requests' durations (``shortest``)
+        self._ranks_seen: dict[str, int] = {}  # the ranks of the last rescore
 
     def __len__(self) -> int:
         return len(self._by_seq)
@@ -71,17 +89,17 @@ class Queue:
         if b is None:
             b = _Bucket(p.request.priority, p.user, self._ranks().get(p.request.priority, 0), score)
             self._buckets[(b.priority, b.user)] = b
-            self._place(b)
+            self._tier(b.tier).buckets += 1
+            if score:
+                self._scored.add((b.priority, b.user))
         elif b.score != score:
-            self._unplace(b)
-            b.score = score
-            self._place(b)
+            self._move(b, b.rank, score)
         shape = shape_of(p)
-        _insort(b.seqs, p.seq)
-        _insort(b.by_shape.setdefault(shape, []), p.seq)
+        b.seqs.add(p.seq)
         self._where[p.lease_id] = (b, shape, p.seq)
         self._by_seq[p.seq] = p
-        self._shapes[shape] = self._shapes.get(shape, 0) + 1
+        self._durations.add(p.duration)
+        self._put(self._tiers[b.tier], p.seq, shape)
         self._users[p.user] = self._users.get(p.user, 0) + 1
 
     def remove(self, lease_id: str) -> None:
@@ -90,37 +108,95 @@ class Queue:
             return
         b, shape, seq = where
         p = self._by_seq.pop(seq)
-        _discard(b.seqs, seq)
-        seqs = b.by_shape[shape]
-        _discard(seqs, seq)
-        if not seqs:
-            del b.by_shape[shape]
+        self._durations.remove(p.duration)
+        t = self._tiers[b.tier]
+        self._take(t, seq, shape)
+        b.seqs.discard(seq)
         if not b.seqs:
-            self._unplace(b)
             del self._buckets[(b.priority, b.user)]
-        _count_down(self._shapes, shape)
-        _count_down(self._users, p.user)
+            self._scored.discard((b.priority, b.user))
+            self._leave(t)
+        n = self._users[p.user]
+        if n > 1:
+            self._users[p.user] = n - 1
+        else:
+            del self._users[p.user]
 
-    def rescore(self, score: Callable[[str], float]) -> None:
-        """Give every bucket its user's current score (and the current priority ranks) and re-sort the buckets."""
+    def rescore(self, score: Callable[[str], float], users: Iterable[str] | None = None) -> None:
+        """Give the buckets their users' current scores (``score``) and the current
+        priority ranks: only the buckets whose key changed move. ``users``: whose score may have left 0 since the
+        last rescore (None: anyone's); the buckets of the others with a score of 0 keep it unread, so a full pass
+        over many users who never used a GPU costs O(users with a score), not O(users)."""
         ranks = self._ranks()  # once: the policy's traits cost a lookup each
-        for b in self._order:
-            b.rank, b.score = ranks.get(b.priority, 0), score(b.user)
-        self._order.sort(key=lambda b: b.key)
-        self._keys = [b.key for b in self._order]
-        self._groups = None
+        buckets: Iterable[_Bucket]
+        if users is None or ranks != self._ranks_seen:
+            buckets = list(self._buckets.values())
+        else:
+            keys = {*self._scored, *((prio, u) for u in users for prio in ranks)}
+            buckets = [b for k in keys if (b := self._buckets.get(k)) is not None]
+        self._ranks_seen = dict(ranks)
+        for b in buckets:
+            rank, s = ranks.get(b.priority, 0), score(b.user)
+            if rank != b.rank or s != b.score:
+                self._move(b, rank, s)
 
-    def _place(self, b: _Bucket) -> None:
-        k = b.key
-        i = bisect.bisect_left(self._keys, k)
-        self._keys.insert(i, k)
-        self._order.insert(i, b)
-        self._groups = None
+    def _move(self, b: _Bucket, rank: int, score: float) -> None:
+        old, new = b.tier, (-rank, score)
+        t = self._tiers[old]
+        b.rank, b.score = rank, score
+        if score:
+            self._scored.add((b.priority, b.user))
+        else:
+            self._scored.discard((b.priority, b.user))
+        if t.buckets == 1 and new not in self._tiers:  # alone: its tier moves along, its requests stay in it
+            del self._tiers[old]
+            self._order.remove(old)
+            for shape in t.by_shape:
+                self._shapes[shape].remove(old)
+                self._shapes[shape].add(new)
+            t.key, self._tiers[new] = new, t
+            self._order.add(new)
+            return
+        to = self._tier(new)
+        to.buckets += 1
+        for seq in b.seqs:
+            shape = self._where[self._by_seq[seq].lease_id][1]
+            self._take(t, seq, shape)
+            self._put(to, seq, shape)
+        self._leave(t)
 
-    def _unplace(self, b: _Bucket) -> None:
-        i = bisect.bisect_left(self._keys, b.key)
-        del self._keys[i], self._order[i]
-        self._groups = None
+    def _tier(self, key: TierKey) -> _Tier:
+        t = self._tiers.get(key)
+        if t is None:
+            t = self._tiers[key] = _Tier(key)
+            self._order.add(key)
+        return t
+
+    def _leave(self, t: _Tier) -> None:
+        """One bucket fewer in ``t`` (its requests gone): the tier goes with its last bucket."""
+        t.buckets -= 1
+        if not t.buckets:
+            del self._tiers[t.key]
+            self._order.remove(t.key)
+
+    def _put(self, t: _Tier, seq: int, shape: Shape) -> None:
+        t.seqs.add(seq)
+        seqs = t.by_shape.get(shape)
+        if seqs is None:
+            seqs = t.by_shape[shape] = SortedList()
+            self._shapes.setdefault(shape, SortedList()).add(t.key)
+        seqs.add(seq)
+
+    def _take(self, t: _Tier, seq: int, shape: Shape) -> None:
+        t.seqs.remove(seq)
+        seqs = t.by_shape[shape]
+        seqs.remove(seq)
+        if not seqs:
+            del t.by_shape[shape]
+            tiers = self._shapes[shape]
+            tiers.remove(t.key)
+            if not tiers:
+                del self._shapes[shape]
 
     # ------------------------------------------------------------------ reading
     def get(self, lease_id: str) -> Pending | None:
@@ -131,6 +207,10 @@ class Queue:
         """Who has requests queued: O(users), not O(queue)."""
         return set(self._users)
 
+    def scored_users(self) -> set[str]:
+        """Who has requests queued at a score other than 0: O(them)."""
+        return {user for _, user in self._scored}
+
     def queued_by(self, user: str) -> int:
         """How many requests ``user`` has queued: O(1)."""
         return self._users.get(user, 0)
@@ -139,146 +219,86 @@ class Queue:
         """Whether no queued request is shared (each needs whole idle GPUs)."""
         return not any(shape[0] for shape in self._shapes)
 
+    def shortest(self) -> float:
+        """The shortest duration of any queued request (inf when nothing waits): O(1)."""
+        return self._durations[0] if self._durations else float("inf")
+
     def smallest_need(self) -> int | None:
         """The fewest whole GPUs any queued request needs (a shared request: 1); None when nothing waits."""
         return min((shape[1] for shape in self._shapes), default=None)
 
     def __iter__(self) -> Iterator[Pending]:
-        """Every request in queue order, lazily (a pass that stops early pays only for what it read)."""
-        by_seq = self._by_seq
-        for start, end in self._tied():
-            # (not copied: nothing changes the queue while a pass reads it; the manager applies grants after)
-            if end - start == 1:
-                seqs: Iterator[int] = iter(self._order[start].seqs)
-            else:
-                seqs = heapq.merge(*(b.seqs for b in self._order[start:end]))
-            for seq in seqs:
+        """Every request in queue order, lazily (a pass that stops early pays only for what it read; nothing changes
+        the queue while a pass reads it: the manager applies grants after)."""
+        by_seq, tiers = self._by_seq, self._tiers
+        for key in self._order:
+            for seq in tiers[key].seqs:
                 yield by_seq[seq]
 
     def head(self, n: int) -> list[Pending]:
         out: list[Pending] = []
-        by_seq = self._by_seq
-        for start, end in self._tied():
+        for key in self._order:
             if len(out) >= n:
                 break
-            if end - start == 1:  # one user's bucket: a slice
-                out.extend(by_seq[seq] for seq in self._order[start].seqs[:n - len(out)])
-                continue
-            for seq in heapq.merge(*(b.seqs for b in self._order[start:end])):
-                out.append(by_seq[seq])
-                if len(out) >= n:
-                    break
+            out.extend(self._by_seq[seq] for seq in self._tiers[key].seqs.islice(0, n - len(out)))
         return out
 
     def window(self, start: int, n: int) -> Iterator[Pending]:
-        """The requests at places ``start`` to ``start + n - 1`` (0-based) in queue order, lazily; the users'
-        buckets before ``start`` are skipped by their sizes, so the cost is O(users) plus what is read."""
-        by_seq, skip = self._by_seq, start
-        for first, end in self._tied():
+        """The requests at places ``start`` to ``start + n - 1`` (0-based) in queue order, lazily; the tiers before
+        ``start`` are skipped by their sizes: O(tiers) plus what is read."""
+        skip = start
+        for key in self._order:
             if n <= 0:
                 return
-            size = sum(len(b.seqs) for b in self._order[first:end])
-            if skip >= size:
-                skip -= size
+            seqs = self._tiers[key].seqs
+            if skip >= len(seqs):
+                skip -= len(seqs)
                 continue
-            if end - first == 1:
-                seqs: Iterator[int] = iter(self._order[first].seqs[skip:skip + n])
-            else:
-                seqs = itertools.islice(heapq.merge(*(b.seqs for b in self._order[first:end])), skip, skip + n)
-            skip = 0
-            for seq in seqs:
+            for seq in seqs.islice(skip, skip + n):
                 n -= 1
-                yield by_seq[seq]
+                yield self._by_seq[seq]
+            skip = 0
 
-    def order_key(self, p: Pending) -> tuple[int, int]:
+    def order_key(self, p: Pending) -> tuple[int, float, int]:
         """Sorts queued requests in queue order (as ``in_order`` does)."""
-        self._tied()
-        return self._order_key(p)
+        b, _, seq = self._where[p.lease_id]
+        return (-b.rank, b.score, seq)
 
     def position(self, lease_id: str) -> int | None:
-        """1-based place in the queue, or None when it is not queued: O(users)."""
+        """1-based place in the queue, or None when it is not queued: O(tiers + log n)."""
         where = self._where.get(lease_id)
         if where is None:
             return None
         b, _, seq = where
-        groups = self._tied()
-        gi = self._group_of[id(b)]
-        ahead = sum(len(x.seqs) for x in self._order[:groups[gi][0]])
-        start, end = groups[gi]
-        ahead += sum(bisect.bisect_left(x.seqs, seq) for x in self._order[start:end])
-        return ahead + 1
+        key = b.tier
+        ahead = sum(len(self._tiers[k].seqs) for k in self._order.islice(0, self._order.bisect_left(key)))
+        return ahead + self._tiers[key].seqs.bisect_left(seq) + 1
 
     def in_order(self, pending: list[Pending]) -> list[Pending]:
         """These queued requests (once each) in queue order."""
-        self._tied()
         unique = {p.lease_id: p for p in pending if p.lease_id in self._where}
-        return sorted(unique.values(), key=self._order_key)
+        return sorted(unique.values(), key=self.order_key)
 
     def shape_heads(self, after: Pending | None) -> list[Pending]:
         """The first request of each shape that comes after ``after`` (None: from the start), in queue order: the
         best candidates deeper in the queue for GPUs that just freed (if the first of a shape does not fit, the
-        others need the same). O(users x shapes), whatever the queue's depth."""
-        groups = self._tied()
-        if after is None:
-            gi, last = 0, -1
-        else:
-            where = self._where.get(after.lease_id)
-            if where is None:
-                return []
-            gi, last = self._group_of[id(where[0])], where[2]
-        missing = set(self._shapes)
-        out: list[Pending] = []
-        for start, end in groups[gi:]:
-            found: dict[Shape, int] = {}
-            for b in self._order[start:end]:
-                for shape in missing.intersection(b.by_shape):
-                    seqs = b.by_shape[shape]
-                    i = bisect.bisect_right(seqs, last)
-                    if i < len(seqs) and seqs[i] < found.get(shape, 1 << 62):
-                        found[shape] = seqs[i]
-            out.extend(self._by_seq[seq] for seq in found.values())
-            missing.difference_update(found)
-            last = -1  # later groups come after ``after`` entirely
-            if not missing:
-                break
-        return sorted(out, key=self._order_key)
-
-    def _order_key(self, p: Pending) -> tuple[int, int]:
-        return (self._group_of[id(self._where[p.lease_id][0])], p.seq)
-
-    def _tied(self) -> list[tuple[int, int]]:
-        """(start, end) in the bucket order of each run of buckets with the same class and score."""
-        if self._groups is None:
-            groups: list[tuple[int, int]] = []
-            self._group_of = {}
-            keys = self._keys
-            start = 0
-            for i in range(1, len(keys) + 1):
-                if i == len(keys) or keys[i][:2] != keys[start][:2]:
-                    for b in self._order[start:i]:
-                        self._group_of[id(b)] = len(groups)
-                    groups.append((start, i))
-                    start = i
-            self._groups = groups
-        return self._groups
-
-
-def _insort(seqs: list[int], seq: int) -> None:
-    if not seqs or seqs[-1] < seq:
-        seqs.append(seq)  # the common case: requests arrive in seq order
-    else:
-        bisect.insort(seqs, seq)
-
-
-def _discard(seqs: list[int], seq: int) -> None:
-    i = bisect.bisect_left(seqs, seq)
-    if i < len(seqs) and seqs[i] == seq:
-        del seqs[i]
-
-
-def _count_down(counts: dict[str, int] | dict[Shape, int], key: object) -> None:
-    n = counts[key]  # type: ignore[index]
-    if n > 1:
-        counts[key] = n - 1  # type: ignore[index]
-    else:
-        del counts[key]  # type: ignore[arg-type]
+        others need the same). O(shapes x log n), whatever the queue's depth and the number of users."""
+        where = None if after is None else self._where.get(after.lease_id)
+        if after is not None and where is None:
+            return []
+        found: list[tuple[int, float, int]] = []
+        for shape, tiers in self._shapes.items():
+            i = 0
+            if where is not None:
+                key, seq = where[0].tier, where[2]
+                seqs = self._tiers[key].by_shape.get(shape)
+                if seqs is not None:
+                    j = seqs.bisect_right(seq)
+                    if j < len(seqs):
+                        found.append((*key, seqs[j]))
+                        continue
+                i = tiers.bisect_right(key)
+            if i < len(tiers):
+                key = tiers[i]
+                found.append((*key, self._tiers[key].by_shape[shape][0]))
+        return [self._by_seq[k[2]] for k in sorted(found)]

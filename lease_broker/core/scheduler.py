@@ -61,6 +61,7 @@ def schedule(
     ordered: bool = False,
     plan: Mapping[str, Reservation] | None = None,
     all_exclusive: bool = False,
+    shortest: float = 0.0,
 ) -> Decision:
     """``usage``: fair-share usage per user (already divided by weight); ``budget``: GPU-seconds each user or
     ``"@group"`` may still be granted today (absent = unlimited); ``reservations``: advance reservations;
@@ -69,7 +70,8 @@ def schedule(
     pass's reservations (``Decision.plan``), kept for the blocked requests whose GPUs still hold for them instead
     of planning them again (the event passes do; the full pass plans afresh); ``all_exclusive``: no request in
     ``pending`` is shared, so once no GPU is idle and the plan is made nothing further can start: the pass stops
-    there instead of walking the rest of a deep queue."""
+    there instead of walking the rest of a deep queue; ``shortest``: no request in ``pending`` is shorter, so once
+    the idle GPUs are planned for others before it could end, the pass stops there too."""
     # a fork copies only the slots the pass changes: the caller's slots and index are left untouched
     ix = slots.fork() if isinstance(slots, SlotIndex) else SlotIndex(slots).fork()
     state = _State(ix, dict(held_by_user), policy, now)
@@ -90,16 +92,18 @@ def schedule(
     ranks, top = policy.priority_ranks, -INF
     latest: dict[int, int] = {}
     waiting, limited = decision.waiting, state.limited
+    anyone_limited = bool(state.budget) or policy.capped  # else no lookup per request
     for p in small_first(pending if ordered else queue_order(pending, policy, usage), policy, now):
+        if blocked >= depth and all_exclusive and now + shortest > state.idle_horizon():
+            break  # nothing shared, the plan made, and nothing idle for as long as the shortest request (or nothing
+            # idle at all): nobody further back can start
         req = p.request
         shared = req.shared
         if blocked >= depth and not shared and ix.idle_total < req.min_gpus:
-            if all_exclusive and not ix.idle_total:
-                break  # nothing idle, nothing shared, the plan made: nobody further back can start
             # the reason, inline (a deep queue passes here per request): ~0.4-0.8 us each on top of the skip
             rank, seq = ranks.get(req.priority, 0), p.seq
             waiting[p.lease_id] = (
-                (limited.get(p.user, True) and state.cap_reason(p, req.min_gpus))
+                (anyone_limited and limited.get(p.user, True) and state.cap_reason(p, req.min_gpus))
                 or ("no_gpu_type" if req.gpu_type or req.gpu_mem else _behind(rank, seq, top, latest)))
             top = rank if rank > top else top
             if latest.get(rank, -1) < seq:
@@ -108,7 +112,8 @@ def schedule(
         end = now + p.duration
         if shared:
             grant = state.place_shared(p, end)
-        elif end >= no_fit.get((req.min_gpus, req.locality, req.gpu_type, req.gpu_mem), INF):
+        elif end >= no_fit.get((req.min_gpus, req.locality, req.gpu_type, req.gpu_mem), INF) \
+                or (blocked >= depth and end > state.idle_horizon()):  # (no idle GPU is free until it would end)
             grant = None
         else:
             grant = state.place_exclusive(p, end)
@@ -169,6 +174,8 @@ class _State:
         self._groups: dict[str, Sequence[str]] = {}
         self._cap_memo: dict[str, tuple[float, tuple[tuple[str, float], ...]]] = {}
         self._most_idle = (-1, 0)  # (idle_total, the most idle GPUs on one node) when it was counted
+        self._changes = 0  # GPUs taken or booked so far in the pass
+        self._horizon = (-1, 0.0)  # (_changes, idle_horizon()) when it was computed
         self.limited: dict[str, bool] = {}  # user -> whether any cap or budget bounds them (``cap_reason``)
         self.types = TypeRoom(policy.type_caps, policy.gpu_types)
         self.gheld: dict[str, float] = {}
@@ -187,6 +194,7 @@ class _State:
 
     def take(self, s: Slot, end: float, exclusive: bool = True) -> Slot:
         """This pass's own copy of ``s``, no longer idle; exclusive ones are held until ``end``."""
+        self._changes += 1
         c = self.ix.edit(s.id)
         if c.idle:
             self.ix.note_idle(c.node, -1)
@@ -215,6 +223,8 @@ class _State:
 
     def _cap_room(self, p: Pending) -> float:
         """How many GPUs ``p`` may still get: user and group caps, and GPU-seconds left today."""
+        if not self.budget and not self.policy.capped:
+            return INF
         cap, groups = self._caps(p.user)
         room = INF if cap <= 0 else cap - self.held.get(p.user, 0.0)
         left = self.budget.get(p.user)
@@ -236,15 +246,28 @@ class _State:
             self._most_idle = (total, max(self.ix.idle.values(), default=0))
         return self._most_idle[1]
 
+    def idle_horizon(self) -> float:
+        """The latest end an exclusive request may have and still get an idle GPU: the latest start of a reservation
+        on the idle GPUs (INF when one is planned for nobody; -INF when none is idle). Kept until a GPU is taken or
+        booked: a deep queue behind a planned head asks once, not a placement per request."""
+        if self._horizon[0] != self._changes:
+            reserved_from, nodes = self.reserved_from, self.nodes
+            self._horizon = (self._changes, max((reserved_from.get(s.id, INF) for node, k in self.ix.idle.items()
+                                                  if k for s in nodes[node] if s.idle), default=-INF))
+        return self._horizon[1]
+
     def cap_reason(self, p: Pending, count: float) -> str | None:
         """Which limit keeps ``p`` from ``count`` GPUs now: "quota" (the user's or a group's GPUs at once), "budget"
         (GPU-hours left today), or None."""
         user = p.user
         limited = self.limited.get(user)
         if limited is None:  # once per user and pass: most users have no limit, and a deep queue asks per request
-            cap, groups = self._caps(user)
-            limited = self.limited[user] = (cap > 0 or any(gcap > 0 for _, gcap in groups) or user in self.budget
-                                             or any("@" + g in self.budget for g, _ in groups))
+            if not self.budget and not self.policy.capped:
+                limited = self.limited[user] = False
+            else:
+                cap, groups = self._caps(user)
+                limited = self.limited[user] = (cap > 0 or any(gcap > 0 for _, gcap in groups) or user in self.budget
+                                                 or any("@" + g in self.budget for g, _ in groups))
         if not limited:
             return None
         cap, groups = self._caps(user)
@@ -266,7 +289,7 @@ class _State:
         """
         req = p.request
         shared = req.shared
-        if self.limited.get(p.user, True):
+        if (self.budget or self.policy.capped) and self.limited.get(p.user, True):
             found = self.cap_reason(p, req.fraction if shared else req.min_gpus)
             if found is not None:
                 return found
@@ -413,6 +436,7 @@ class _State:
 
     def book(self, r: Reservation) -> None:
         """Hold a reservation's GPUs: later requests of this pass may use them only if they end first."""
+        self._changes += 1
         reserved_from, busy_until, start, end = self.reserved_from, self.busy_until, r.start, r.end
         for gid in r.gpu_ids:
             if reserved_from.get(gid, INF) > start:
@@ -425,13 +449,16 @@ class _State:
         request: it may then start on a GPU that others share, or on that one); None: no GPUs ever will."""
         k = 1 if p.request.shared else p.request.min_gpus
         best: tuple[float, list[Slot]] = (INF, [])
-
-        def ready(s: Slot) -> float:
-            base = self.now if s.idle else (s.free_at if s.available or s.free_at < INF else INF)
-            for w in self.windows.of.get(s.id, ()):  # another's reservation: before it if it fits, else after it
-                if p.user not in w.members and base + p.duration > w.start:
+        now, busy_until, windows, user = self.now, self.busy_until, self.windows.of, p.user
+        # slot id -> when it is ready for p: once per slot and inline (a pass plans backfill_depth requests per event)
+        ready: dict[str, float] = {}
+        for s in self.slots:
+            base = now if s.available and not s.exclusive and not s.n_shared else (  # (idle)
+                s.free_at if s.available or s.free_at < INF else INF)
+            for w in windows.get(s.id, ()) if windows else ():  # another's reservation: before it if it fits,
+                if user not in w.members and base + p.duration > w.start:  # else after it
                     base = max(base, w.end)
-            return max(base, self.busy_until.get(s.id, self.now))
+            ready[s.id] = max(base, busy_until.get(s.id, now))
 
         groups: list[list[Slot]] = list(self.nodes.values())
         if p.request.locality == "any":
@@ -442,8 +469,8 @@ class _State:
         for members in groups:
             if len(members) < k:
                 continue
-            times = sorted(members, key=ready)[:k]
-            start = ready(times[-1])
+            times = sorted(members, key=lambda s: ready[s.id])[:k]
+            start = ready[times[-1].id]
             if start < best[0]:
                 best = (start, times)
         start, chosen = best

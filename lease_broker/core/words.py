@@ -1,47 +1,15 @@
-"""What the broker says to people: times, durations, GPU counts, and why a lease ended, in words.
+"""The broker's own sentences: why a lease ended, in words (times, durations and GPU counts are
+``gpulease_protocol.words``, shared with every client).
 
 The broker's views carry these strings so that every client (the cell, the CLI, the sidebar, notifications) shows
-the same words and none re-derives them; the slugs stay beside them for scripts. Pure: the time is passed in.
+the same words and none re-derives them; the slugs stay beside them for scripts.
 """
 
 from __future__ import annotations
 
-import time
+from gpulease_protocol.words import clock_text, duration_text, gpus_text, hours_text
 
-DAY = 86400.0
-
-
-def gpus_text(n: float) -> str:
-    """'1 GPU', '2 GPUs', '0.5 GPU'."""
-    return f"{n:g} GPU" + ("s" if n > 1 else "")
-
-
-def duration_text(seconds: float) -> str:
-    """'45 s', '12 min', '2 h', '1 h 30 min', '3 days': rounded to what a person reads."""
-    s = max(0.0, float(seconds))
-    if s < 90:
-        return f"{s:.0f} s"
-    minutes = round(s / 60)
-    if minutes < 60:
-        return f"{minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours} h" + (f" {minutes} min" if minutes else "")
-    return f"{round(s / DAY)} days"
-
-
-def clock_text(t: float, now: float) -> str:
-    """A wall-clock time as people read it: '14:05' within the next or last 12 hours, else '27 Nov 14:05'."""
-    local = time.localtime(t)
-    if abs(t - now) < DAY / 2:
-        return time.strftime("%H:%M", local)
-    return f"{local.tm_mday} {time.strftime('%b %H:%M', local)}"
-
-
-def hours_text(gpu_seconds: float) -> str:
-    """GPU-seconds as GPU-hours: '7.5 GPU-hours', '1 GPU-hour'."""
-    h = round(max(0.0, gpu_seconds) / 3600.0, 2)
-    return f"{h:g} GPU-hour" + ("" if h == 1 else "s")
+__all__ = ["ENDED", "clock_text", "duration_text", "ended_text", "gpus_text", "hours_text"]
 
 
 #: Why a lease ended, by its reason slug: the sentence its view carries as ``reason_text`` (``ended_text``).

@@ -27,7 +27,9 @@ Holder = tuple[int, int]
 class HolderWatch:
     """Calls ``on_exit(holder)`` from the event loop when a watched process exits (once per process)."""
 
-    def __init__(self, on_exit: Callable[[Holder], None], loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, on_exit: Callable[[Holder], None],
+                 loop: Callable[[], asyncio.AbstractEventLoop | None]) -> None:
+        """``loop``: the event loop the watches run on (None: none yet, nothing can be watched)."""
         self.on_exit = on_exit
         self._loop = loop
         self._fds: dict[Holder, int] = {}
@@ -44,7 +46,7 @@ class HolderWatch:
         reported at once (from the loop)."""
         if holder in self._fds:
             return True
-        loop = self._loop or _running_loop()
+        loop = self._loop()
         if loop is None or not hasattr(os, "pidfd_open"):
             return False
         pid, start = holder
@@ -69,7 +71,7 @@ class HolderWatch:
         """Stop watching ``holder`` (its last lease ended)."""
         fd = self._fds.pop(holder, None)
         if fd is not None:
-            loop = self._loop or _running_loop()
+            loop = self._loop()
             if loop is not None:
                 loop.remove_reader(fd)
             os.close(fd)
@@ -88,13 +90,6 @@ class HolderWatch:
     def _exited(self, holder: Holder) -> None:
         self.unwatch(holder)
         self.on_exit(holder)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def alive(holder: Holder) -> bool:

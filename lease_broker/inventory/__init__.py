@@ -1,8 +1,8 @@
 """Inventories: where the GPUs come from (NVML on a real host, a simulated one, a Ray or Slurm cluster).
 
-An inventory is a small configurable class chosen by entry-point name
-(group ``jupyter_gpulease.inventories``). The broker owns leases and policy; the
-inventory only reports devices, samples what they are doing, says when a GPU
+An inventory is a small configurable class chosen by entry-point name (group
+``jupyter_gpulease.inventories``, registered in ``pyproject.toml``; ``LeaseBroker.inventory_class``).
+The broker owns leases and policy; the inventory only reports devices, samples what they are doing, says when a GPU
 that a lease held is clean again, and, for an engine (Ray, Slurm), is told of
 grants and ends and answers with what changed (``changes``).
 """
@@ -20,8 +20,6 @@ from ..core.gpu import GPU, GpuSample
 from ..core.lease import Lease
 from ..host.procs import ProcessTracker
 from .changes import InventoryChange
-
-ENTRY_POINT_GROUP = "jupyter_gpulease.inventories"
 
 
 class Inventory(LoggingConfigurable):
@@ -101,35 +99,3 @@ class Inventory(LoggingConfigurable):
 
     def close(self) -> None:
         pass
-
-
-_BUILTIN = {"simulated": "lease_broker.inventory.simulated:SimulatedInventory",
-            "nvml": "lease_broker.inventory.nvml:NVMLInventory",
-            "ray": "lease_broker.inventory.ray:RayInventory",
-            "slurm": "lease_broker.inventory.slurm:SlurmInventory"}
-
-
-def inventory_class(name: str) -> type[Inventory]:
-    """Load an inventory class: a built-in name, another entry-point name, or ``module:Class``.
-
-    Built-in names are resolved without reading the installed packages' entry points (that costs ~40 ms of
-    every broker start).
-    """
-    if ":" in name:
-        import importlib
-
-        mod, _, attr = name.partition(":")
-        cls = getattr(importlib.import_module(mod), attr)
-    elif name in _BUILTIN:
-        return inventory_class(_BUILTIN[name])
-    else:
-        from importlib.metadata import entry_points
-
-        eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        if name not in eps:
-            choices = ", ".join(sorted(set(eps) | set(_BUILTIN) | {"auto"}))
-            raise ValueError(f"Unknown inventory {name!r}: choose one of {choices} (--inventory)")
-        cls = eps[name].load()
-    if not (isinstance(cls, type) and issubclass(cls, Inventory)):
-        raise ValueError(f"Inventory {name!r} is not an Inventory subclass")
-    return cls

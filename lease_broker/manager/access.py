@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from ..core.errors import Forbidden, InvalidTransition, NotFound
 from ..core.identity import Identity
 from ..core.lease import Lease, LeaseState
-from ..store.lease_store import Store
 from .state import LiveState
 from .views import may_see
 
 
+class EndedLeases(Protocol):
+    """What the store answers about leases that ended (the live ones are in memory)."""
+
+    def get(self, lease_id: str) -> Lease | None: ...
+
+    def recent(self, user: str | None, limit: int = 50) -> list[Lease]: ...
+
+
 class LeaseAccess:
-    def __init__(self, state: LiveState, store: Store) -> None:
+    def __init__(self, *, state: LiveState, store: EndedLeases) -> None:
         self.state, self.store = state, store
 
     def lookup(self, lease_id: str, who: Identity) -> Lease:

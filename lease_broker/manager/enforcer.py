@@ -17,15 +17,13 @@ from ..core.errors import BadRequest, Forbidden
 from ..core.gpu import GpuSample
 from ..core.gpufit import constrained, fits
 from ..core.identity import Identity
-from ..core.lease import HOLDING, Lease, LeaseState
+from ..core.lease import HOLDING, Change, Lease, LeaseState
 from ..core.slots import SlotIndex
 from ..core.small_first import Pressure, small_need
 from ..host.procs import ProcInfo, children_map, is_descendant, proc_info, signal_group
 from ..policy.lease_policy import LeasePolicy
-from .events import EventBus
 from .gpuwatch import GpuWatch
-from .ports import LeaseOps
-from .state import LiveState
+from .state import LeaseOps, LiveState
 
 log = logging.getLogger("lease_broker")
 PAUSES_KEPT = 8  # a lease's last idle pauses that pressure_learns_pauses takes the median of
@@ -47,7 +45,6 @@ class DrainStore(Protocol):
 
     def drained(self, gpu_id: str) -> None: ...
 
-    def detach_all(self, lease_id: str) -> None: ...
 
 
 class HolderCheck(Protocol):
@@ -57,31 +54,21 @@ class HolderCheck(Protocol):
 
 
 class Enforcer:
-    def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, probe: Probe, store: DrainStore,
-                 events: EventBus, clock: Clock, holders: HolderCheck | None = None) -> None:
+    def __init__(self, *, state: LiveState, ops: LeaseOps, policy: LeasePolicy, probe: Probe, store: DrainStore,
+                 clock: Clock, holders: HolderCheck | None = None) -> None:
         self.state, self.ops, self.policy, self.probe, self.store = state, ops, policy, probe, store
-        self.events, self.clock, self.holders = events, clock, holders
-        self.proc_ticks: dict[str, dict[int, int]] = {}  # lease id -> pid -> start ticks
+        self.clock, self.holders = clock, holders
         self.draining: dict[str, tuple[str, float, list[int]]] = {}  # gpu -> (lease, since, pids)
         self.unhealthy: dict[str, str] = {}  # gpu -> why
         self.kills: dict[str, tuple[float, dict[int, int]]] = {}  # lease -> (SIGKILL deadline, pids)
-        self.warned: dict[str, set[str]] = {}  # lease -> warnings sent
-        self.pauses: dict[str, list[float]] = {}  # lease -> its last idle pauses that ended in activity
         self.pressure: Pressure | None = None  # as of the last tick (see pressure_now)
         self.closed: dict[str, str] = {}  # gpu -> why, as an engine closed it (a subset of unhealthy)
-        self.watch = GpuWatch(state, ops, policy, events, clock, self)
+        self.watch = GpuWatch(state=state, ops=ops, policy=policy, clock=clock, enforcer=self)
 
     # ---------------------------------------------------------------- processes
-    def remember(self, lease_id: str, pids: dict[int, int]) -> None:
-        self.proc_ticks.setdefault(lease_id, {}).update(pids)
-
     def stop(self, lease: Lease) -> None:
         """SIGTERM a lease's process groups; drain its GPUs until they are gone."""
-        known = self.proc_ticks.pop(lease.id, None)  # None: never attached nor restored, nothing stored
-        pids = known or {}
-        self.warned.pop(lease.id, None)
-        self.pauses.pop(lease.id, None)
-        alive = {p: t for p, t in pids.items() if _alive(p, t)}
+        alive = {p: t for p, t in lease.processes.items() if _alive(p, t)}
         now = self.clock.now()
         # the GPU is clean only when the descendants are gone too (they may have left the process group)
         # (only live ones: a dead pid may since belong to an unrelated process, which must not hold the GPU)
@@ -98,8 +85,6 @@ class Enforcer:
             for d in dirty:
                 self.draining[d] = (lease.id, now, drain_pids)
             self.store.drain(dirty, lease.id, drain_pids, now)
-        if known is not None:  # a transaction less for the many leases that never attach a process
-            self.store.detach_all(lease.id)
 
     def check_attach(self, pid: int, who: Identity) -> ProcInfo:
         """A process the caller may attach to a lease: alive here, the caller's own, the caller or a descendant."""
@@ -138,18 +123,15 @@ class Enforcer:
     def resumed(self, lease: Lease, now: float) -> None:
         """Activity on ``lease`` (before it is recorded): its idle warning no longer holds, and a pause of at least
         ``idle_mark_seconds`` is one its holder came back from (``pressure_learns_pauses``)."""
-        self.clear_warning(lease.id, "idle")
+        self.clear_warning(lease, "idle")
         pause = now - lease.last_activity
         if pause >= self.policy.idle_mark_seconds and lease.state in HOLDING:
-            mine = self.pauses.setdefault(lease.id, [])
-            mine.append(pause)
-            del mine[:-PAUSES_KEPT]
+            self.ops.commit(lease, Change(pauses=(*lease.pauses, pause)[-PAUSES_KEPT:]))
 
-    def clear_warning(self, lease_id: str, kind: str) -> None:
-        warned = self.warned.get(lease_id)
-        if warned:
-            warned.discard(kind)
-            warned.discard(kind + ":pressure")
+    def clear_warning(self, lease: Lease, kind: str) -> None:
+        """A warning of ``kind`` no longer holds (activity, a renewal): it is sent again when it holds again."""
+        if lease.warned & {kind, kind + ":pressure"}:
+            self.ops.commit(lease, Change(warned=lease.warned - {kind, kind + ":pressure"}))
 
     @property
     def busy(self) -> bool:
@@ -183,7 +165,7 @@ class Enforcer:
                          lease.id, lease.user, now - lease.last_heartbeat, pol.heartbeat_timeout)
                 ops.end(lease, LeaseState.REVOKED, "holder_gone")
                 continue
-            pids = list(self.proc_ticks.get(lease.id, {}))
+            pids = lease.pids
             if pids and self.probe.lease_active(lease.id, pids, samples, lease.devices):
                 ops.activity(lease, now)
             idle_for = now - lease.last_activity
@@ -193,17 +175,14 @@ class Enforcer:
                 continue
             if lease.state != LeaseState.IDLE and idle_for >= min(pol.idle_mark_seconds, timeout or 1e18):
                 ops.mark_idle(lease)
-            warned = self.warned.setdefault(lease.id, set())
             kind = "idle:pressure" if pressed else "idle"
-            if timeout and kind not in warned and idle_for >= self.warn_after(timeout):
-                warned.add(kind)
-                self._warn(lease, "idle", lease.last_activity + timeout)
+            if timeout and kind not in lease.warned and idle_for >= self.warn_after(timeout):
+                self._warn(lease, kind, lease.last_activity + timeout)
             if (
                 lease.expires_at is not None
-                and "expiry" not in warned
+                and "expiry" not in lease.warned
                 and now >= lease.expires_at - pol.warn_before_seconds
             ):
-                warned.add("expiry")
                 self._warn(lease, "expiry", lease.expires_at)
 
     def heartbeat_lost(self, lease: Lease, now: float) -> bool:
@@ -271,12 +250,14 @@ class Enforcer:
 
     def usual_pause(self, lease: Lease) -> float:
         """With ``pressure_learns_pauses``, the median of the holder's last pauses (0 without one or the option)."""
-        pauses = self.pauses.get(lease.id) if self.policy.pressure_learns_pauses else None
+        pauses = lease.pauses if self.policy.pressure_learns_pauses else ()
         return statistics.median(pauses) if pauses else 0.0
 
     def _warn(self, lease: Lease, kind: str, deadline: float) -> None:
         log.info("Lease %s warned: %s at %.0f, user %s", lease.id, kind, deadline, lease.user)
-        self.events.publish(
+        self.ops.commit(lease, Change(warned=lease.warned | {kind}))
+        kind = kind.split(":")[0]  # "idle:pressure" is an idle warning given again, sooner, under pressure
+        self.ops.publish(
             "warning", lease_id=lease.id, user=lease.user, kind=kind, deadline=deadline,
             message=f"Lease {lease.id} will be {'revoked for idleness' if kind == 'idle' else 'expired'} "
             f"in {max(0.0, deadline - self.clock.now()):.0f} s",
@@ -306,7 +287,7 @@ class Enforcer:
                 self.store.drained(gpu_id)
                 self.unhealthy[gpu_id] = f"processes of lease {lease_id} still on it after {now - since:.0f} s"
                 log.error("GPU %s unhealthy: %s", gpu_id, self.unhealthy[gpu_id])
-                self.events.publish("gpu_unhealthy", gpu_id=gpu_id, message=self.unhealthy[gpu_id], user=None)
+                self.ops.publish("gpu_unhealthy", gpu_id=gpu_id, message=self.unhealthy[gpu_id], user=None)
         if freed:
             self.ops.schedule_soon()
             self.ops.gpus_changed()

@@ -3,25 +3,24 @@ inventory for it on every tick and soon after it calls ``wake()`` (from any thre
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from ..core.clock import Clock
+from ..core.driver import Driver
 from ..core.lease import HOLDING, LeaseState
 from ..inventory import Inventory
 from ..inventory.changes import GpusChanged, GpusClosed, InventoryChange, LeaseFailed, LeasePlaced
 from .enforcer import Enforcer
-from .ports import LeaseOps
-from .state import LiveState
+from .state import LeaseOps, LiveState
 
 log = logging.getLogger("lease_broker")
 
 
 class EngineLink:
-    def __init__(self, state: LiveState, ops: LeaseOps, inventory: Inventory, enforcer: Enforcer,
-                 clock: Clock) -> None:
+    def __init__(self, *, state: LiveState, ops: LeaseOps, inventory: Inventory, enforcer: Enforcer,
+                 clock: Clock, driver: Driver) -> None:
         self.state, self.ops, self.inventory, self.enforcer, self.clock = state, ops, inventory, enforcer, clock
-        self.loop: asyncio.AbstractEventLoop | None = None  # set at the first tick on the event loop
+        self.driver = driver  # its loop, once the service attached one: where an inventory's news is applied
         inventory.wake = self.wake
 
     def reconcile(self) -> None:
@@ -48,7 +47,7 @@ class EngineLink:
 
     def wake(self) -> None:
         """The inventory has news (from any thread): reconcile on the event loop soon."""
-        loop = self.loop
+        loop = self.driver.loop
         if loop is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(self.reconcile)

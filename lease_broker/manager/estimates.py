@@ -51,7 +51,7 @@ def _size(req: LeaseRequest) -> float:
 
 
 class Estimates:
-    def __init__(self, state: LiveState, policy: LeasePolicy, holders: Holders) -> None:
+    def __init__(self, *, state: LiveState, policy: LeasePolicy, holders: Holders) -> None:
         self.state, self.policy, self.holders = state, policy, holders
         self.history = History()
         self._nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (the GPU list, node -> its GPU ids)

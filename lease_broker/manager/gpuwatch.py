@@ -22,16 +22,13 @@ from ..core.identity import Identity
 from ..core.lease import HOLDING, LeaseState
 from ..host.procs import is_descendant, proc_info
 from ..policy.lease_policy import LeasePolicy
-from .events import EventBus
-from .ports import LeaseOps
-from .state import LiveState
+from .state import LeaseOps, LiveState
 
 
 class Enforcement(Protocol):
     """What the watch reads and marks of the enforcer's records."""
 
     unhealthy: dict[str, str]
-    proc_ticks: dict[str, dict[int, int]]
     draining: dict[str, tuple[str, float, list[int]]]
 
 log = logging.getLogger("lease_broker")
@@ -46,10 +43,9 @@ def _user_name(uid: int) -> str:
 
 
 class GpuWatch:
-    def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, events: EventBus, clock: Clock,
+    def __init__(self, *, state: LiveState, ops: LeaseOps, policy: LeasePolicy, clock: Clock,
                  enforcer: Enforcement) -> None:
-        self.state, self.ops, self.policy, self.events, self.clock, self.enforcer = \
-            state, ops, policy, events, clock, enforcer
+        self.state, self.ops, self.policy, self.clock, self.enforcer = state, ops, policy, clock, enforcer
         self.unleased: dict[str, dict[int, dict[str, Any]]] = {}  # gpu -> pid -> report
         self.kills_total = 0
         self._reported: set[tuple[str, int, int]] = set()  # (gpu, pid, start ticks)
@@ -67,7 +63,7 @@ class GpuWatch:
             if not s.healthy and gpu_id not in enf.unhealthy and gpu_id in self.state.gpu_by_id:
                 enf.unhealthy[gpu_id] = "lost: NVML does not answer for it"
                 log.error("GPU %s unhealthy: %s", gpu_id, enf.unhealthy[gpu_id])
-                self.events.publish("gpu_unhealthy", gpu_id=gpu_id, message=enf.unhealthy[gpu_id], user=None)
+                self.ops.publish("gpu_unhealthy", gpu_id=gpu_id, message=enf.unhealthy[gpu_id], user=None)
                 self.ops.gpus_changed()
         owners = self._owners()
         for gpu_id, s in samples.items():
@@ -85,7 +81,7 @@ class GpuWatch:
         out: dict[str, list[int]] = {}
         for lease in self.state.leases.values():
             if lease.state in HOLDING:
-                pids = list(self.enforcer.proc_ticks.get(lease.id, {})) or list(lease.pids)
+                pids = lease.pids
                 for d in lease.devices:
                     out.setdefault(d, []).extend(pids)
         for gpu_id, (_lease, _since, pids) in self.enforcer.draining.items():
@@ -105,7 +101,7 @@ class GpuWatch:
         action = self.policy.unleased_process_action
         log.warning("GPU %s (index %s) has unleased process %d of user %s using %d MiB: %s", gpu_id,
                     gpu.index if gpu else "?", pid, user, memory >> 20, action)
-        self.events.publish(
+        self.ops.publish(
             "gpu.unleased_process", gpu_id=gpu_id, pid=pid, process_user=user, memory=memory, action=action,
             user=user if info is not None else "", index=gpu.index if gpu else None,
             message=f"Process {pid} of {user} uses GPU {gpu.index if gpu else gpu_id} without a lease",
@@ -172,7 +168,7 @@ class GpuWatch:
             s = samples.get(lease.devices[0])
             if gpu is None or s is None or not s.pids:
                 continue
-            roots = list(self.enforcer.proc_ticks.get(lease.id, {})) or list(lease.pids)
+            roots = lease.pids
             if not roots:
                 continue
             used = {pid: mem for pid, mem in s.pids.items() if any(is_descendant(pid, r) for r in roots)}
@@ -184,6 +180,6 @@ class GpuWatch:
                            "stopped")
                 log.info("Lease %s of %s over its memory cap on GPU %s: %s", lease.id, lease.user, gpu.index,
                          ", ".join(f"pid {p}: {b >> 20} MiB" for p, b in sorted(used.items())))
-                self.events.publish("lease.memory_exceeded", lease_id=lease.id, user=lease.user, gpu_id=gpu.id,
+                self.ops.publish("lease.memory_exceeded", lease_id=lease.id, user=lease.user, gpu_id=gpu.id,
                                     memory=total, limit=cap, message=message)
                 self.ops.end(lease, LeaseState.REVOKED, OVER_MEMORY_CAP)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 
+from ..core.driver import Driver
 from ..core.lease import HOLDING, Lease, LeaseState
 from ..host.holders import Holder, HolderWatch, alive
 from ..host.procs import proc_info
-from ..store.group_commit import loop_running
-from .ports import LeaseOps
-from .state import LiveState
+from .state import LeaseOps, LiveState
 
 log = logging.getLogger("lease_broker")
 
@@ -33,9 +32,9 @@ CAUSES = {HOLDER_EXITED: "exited", "holder_gone": "heartbeat"}
 
 
 class Holders:
-    def __init__(self, state: LiveState, ops: LeaseOps) -> None:
-        self.state, self.ops = state, ops
-        self.watch = HolderWatch(self.exited)
+    def __init__(self, *, state: LiveState, ops: LeaseOps, driver: Driver) -> None:
+        self.state, self.ops, self.driver = state, ops, driver
+        self.watch = HolderWatch(self.exited, lambda: driver.loop)
         self.leases_of: dict[Holder, set[str]] = {}  # holder -> its live leases (an index of Lease.holder)
         self.pending: set[Holder] = set()  # to watch once the event loop runs (restored before it started)
         self.ended_total = dict.fromkeys(CAUSES.values(), 0)  # leases ended because their holder went, by cause
@@ -52,7 +51,7 @@ class Holders:
         self.leases_of.setdefault(holder, set()).add(lease.id)
         if self.watch.watching(holder):
             return
-        if not loop_running():
+        if not self.driver.deferred:
             self.pending.add(holder)
             return
         self.pending.discard(holder)
@@ -81,7 +80,7 @@ class Holders:
 
     def tick(self) -> None:
         """Watch the holders restored before the event loop ran (the manager's tick runs in the loop)."""
-        if self.pending and loop_running():
+        if self.pending and self.driver.deferred:
             pending, self.pending = self.pending, set()
             for holder in pending:
                 if holder in self.leases_of:

@@ -8,13 +8,14 @@ through ``LeaseOps``; the inventory's changes come back through the ``EngineLink
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..core.clock import Clock
+from ..core.driver import Driver
 from ..core.errors import BadRequest, Forbidden, InvalidTransition
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity, hash_secret, new_lease_keys
@@ -31,67 +32,76 @@ from ..core.lease import (
 )
 from ..core.lease_use import LeaseUse
 from ..core.scheduler import Pending, schedule
+from ..host.procs import same_process
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
 from ..store.admin_store import AdminStore
+from ..store.group_commit import GroupCommit
 from ..store.lease_store import Store
 from .access import LeaseAccess, Waiters
+from .accounting import Accounting, Metering
 from .enforcer import Enforcer
 from .engine import EngineLink
 from .estimates import Estimates
 from .events import EventBus
 from .gpu_summary import GpuSummary
 from .holders import Holders
-from .iteration import Iteration
-from .metering import Metering
-from .planning import Planning
+from .planning import Planning, WarmRegrants
 from .policy_admin import PolicyAdmin
 from .preemption import Preemption
 from .quotas import Quotas
 from .reservations import Reservations
-from .restore import double_grants, load_live
 from .state import LiveState
-from .usage import Usage
-from .views import Views
-from .waits import Waits
-from .warm import WarmRegrants
+from .views import Views, Waits
 
 log = logging.getLogger("lease_broker")
 
 class LeaseManager:
     def __init__(self, store: Store, inventory: Inventory, policy: LeasePolicy, clock: Clock | None = None,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, driver: Driver | None = None) -> None:
+        """``driver``: what ends an event-loop iteration (the service attaches its loop at start); without a loop
+        each write commits and each pass runs at once (the replay, unit tests)."""
         self.store = store
         self.inventory = inventory
         self.policy = policy
         self.clock = clock or Clock()
         self.events = events or EventBus(clock=self.clock.now)
-        self.state = LiveState(inventory.discover(), lambda: policy.priority_classes)
-        self.admin_store = AdminStore(store)
+        self.driver = driver or Driver()
+        self.state = state = LiveState(inventory.discover(), lambda: policy.priority_classes)
+        self.admin_store = admin = AdminStore(store)
         now = self.clock.now()
-        # the parts, each given what it reads and the narrow LeaseOps (this object) for what it may ask
-        self.holders = Holders(self.state, self)  # a lease ends with the process that asked for it
-        self.enforcer = Enforcer(self.state, self, policy, inventory, store, self.events, self.clock, self.holders)
-        self.reservations = Reservations(self.state, self, policy, self.admin_store, self.events, self.enforcer, now)
-        self.preemption = Preemption(self.state, self, policy, self.admin_store, self.events, self.enforcer,
-                                     self.reservations)
-        self.quotas = Quotas(self.state, policy, self.admin_store, self.reservations, self.enforcer)
-        self.usage = Usage(self.state, policy, self.admin_store)
-        self.planning = Planning(self.state, policy, inventory, self.quotas, self.usage, self.reservations)
-        self.policy_admin = PolicyAdmin(policy, self.admin_store, self.events, self, self.clock)
-        self.estimates = Estimates(self.state, policy, self.enforcer)  # queued requests' likely starts
-        self.warm = WarmRegrants(policy)  # a notebook's next request gets the GPUs its last lease gave back
-        self.views = Views(self.state, policy, inventory, self.enforcer, self.reservations, self.preemption,
-                           self.estimates, self.holders,
-                           Waits(self.state, policy, self.quotas, self.reservations, self.estimates))
-        self.engine = EngineLink(self.state, self, inventory, self.enforcer, self.clock)
-        self.metering = Metering(self.state, self)  # what each lease used, from the samples
+        # the parts, each given what it reads and the narrow LeaseOps (``ops``: this object) for what it may ask;
+        # none holds the store's writer or the event bus: changes go through commit, events through publish
+        self.iteration = Iteration(store=store, driver=self.driver, run_pass=lambda: self.schedule(),
+                                   on_failed=self._group_failed)
+        self.group = self.iteration.group
+        self.holders = Holders(state=state, ops=self, driver=self.driver)  # a lease ends with its holder process
+        self.enforcer = Enforcer(state=state, ops=self, policy=policy, probe=inventory, store=store,
+                                 clock=self.clock, holders=self.holders)
+        self.reservations = Reservations(state=state, ops=self, policy=policy, store=admin, enforcer=self.enforcer,
+                                         now=now)
+        self.preemption = Preemption(state=state, ops=self, policy=policy, enforcer=self.enforcer,
+                                     reservations=self.reservations)
+        self.quotas = Quotas(state=state, policy=policy, store=admin, reservations=self.reservations,
+                             enforcer=self.enforcer)
+        self.accounting = Accounting(state=state, policy=policy, store=admin)  # past use: fair share, reports
+        self.planning = Planning(state=state, policy=policy, placements=inventory, quotas=self.quotas,
+                                 accounting=self.accounting, reservations=self.reservations)
+        self.policy_admin = PolicyAdmin(policy=policy, store=admin, ops=self, clock=self.clock)
+        self.estimates = Estimates(state=state, policy=policy, holders=self.enforcer)  # queued requests' starts
+        self.warm = WarmRegrants(policy=policy)  # a notebook's next request gets the GPUs its last lease gave back
+        waits = Waits(state=state, policy=policy, quotas=self.quotas, reservations=self.reservations,
+                      estimates=self.estimates)
+        self.views = Views(state=state, policy=policy, inventory=inventory, enforcer=self.enforcer,
+                           reservations=self.reservations, preemption=self.preemption, estimates=self.estimates,
+                           holders=self.holders, waits=waits)
+        self.engine = EngineLink(state=state, ops=self, inventory=inventory, enforcer=self.enforcer,
+                                 clock=self.clock, driver=self.driver)
+        self.metering = Metering(state=state, ops=self)  # what each lease used, from the samples
         self.transitions_total: dict[tuple[str, str], int] = {}
         self._seq = store.next_seq()
-        self.access, self.waiters = LeaseAccess(self.state, store), Waiters()
-        self.iteration = Iteration(store, lambda: self.schedule(), self._group_failed)
-        self.group = self.iteration.group
-        self.gpu_summary = GpuSummary(self.events, self.summary, self.group.after)
+        self.access, self.waiters = LeaseAccess(state=state, store=store), Waiters()
+        self.gpu_summary = GpuSummary(publish=self.publish, summary=self.summary, driver=self.driver)
 
     # ------------------------------------------------------------------ what parts and the API read
     @property
@@ -196,7 +206,7 @@ class LeaseManager:
         new_expiry = now + seconds
         self.quotas.check_renewal(lease, new_expiry, now)  # max_duration_seconds, reservations, daily quota
         expires = max(lease.expires_at or 0.0, new_expiry)
-        self.enforcer.clear_warning(lease.id, "expiry")
+        self.enforcer.clear_warning(lease, "expiry")
         self.commit(lease, Change(expires_at=expires, duration_seconds=expires - lease.granted_at, event="renewed"))
         self.group.after(lambda: self.inventory.on_renew(lease, now))
         return lease
@@ -214,9 +224,53 @@ class LeaseManager:
             raise BadRequest(f"Invalid pid {pid!r}: give the process id of a process you own")
         lease = self.access.own_live(lease_id, who)
         info = self.enforcer.check_attach(pid, who)
-        self.enforcer.remember(lease.id, {pid: info.start_ticks})
         self.commit(lease, Change(attach=(pid, info.start_ticks)))
         return lease
+
+    def history(self, lease_id: str, who: Identity) -> list[dict[str, Any]]:
+        """A lease's transitions, for its owner and admins."""
+        self.lookup(lease_id, who)
+        return self.store.history(lease_id)
+
+    # ------------------------------------------------------------------ what else the API asks
+    def queue_view(self, who: Identity) -> list[dict[str, Any]]:
+        return self.views.queue(who, self.clock.now())
+
+    def quota(self, user: str) -> dict[str, Any]:
+        return self.quotas.view(user, self.clock.now())
+
+    def usage_report(self, who: Identity, since: float, by: str = "user", label: str = "") -> list[dict[str, Any]]:
+        now = self.clock.now()
+        return self.accounting.report(who, now - since, now, by, label)
+
+    def update_policy(self, who: Identity, changes: dict[str, Any]) -> dict[str, Any]:
+        return self.policy_admin.update(who.user, changes, source="api")
+
+    def policy_audit(self, limit: int) -> list[dict[str, Any]]:
+        return self.admin_store.audit_log(limit)
+
+    def reservation_views(self, ended_within: float, include_cancelled: bool) -> list[dict[str, Any]]:
+        now = self.clock.now()
+        rs = self.admin_store.reservations(since=now - ended_within, include_cancelled=include_cancelled)
+        return [self.reservations.view(r, now) for r in rs]
+
+    def reservation_view(self, rid: str) -> dict[str, Any]:
+        return self.reservations.view(self.reservations.get(rid), self.clock.now())
+
+    def reserve(self, who: Identity, body: Any) -> dict[str, Any]:
+        """Book an advance reservation; the next pass (soon) honours it."""
+        now = self.clock.now()
+        r = self.reservations.create(who, body, now)
+        self.replan()
+        self.reservations.changed(r, "created", now)
+        return self.reservations.view(r, now)
+
+    def cancel_reservation(self, who: Identity, rid: str) -> dict[str, Any]:
+        now = self.clock.now()
+        r = self.reservations.cancel(who, rid, now)
+        self.replan()
+        self.reservations.changed(r, "cancelled", now)
+        return self.reservations.view(r, now)
 
     async def wait(self, lease: Lease, timeout: float) -> Lease:
         """Wait until a queued lease is granted or ends, at most ``timeout`` seconds."""
@@ -238,14 +292,14 @@ class LeaseManager:
         if writes:
             try:
                 self.group.lease_write(lease, lambda: self._undo(lease, saved, new), now, new=new,
-                                       attach=change.attach, from_state=before if change.state is not None else None,
-                                       row=change.state is not None or change.stored)
+                                       from_state=before if change.state is not None else None,
+                                       row=change.state is not None or change.stored or change.attach is not None)
             except Exception:
                 lease.__dict__.update(saved)
                 raise
         if new:
             self.state.leases[lease.id] = lease
-            self._enqueue(lease, self.planning.scores(now, {lease.user})[lease.user])
+            self._enqueue(lease, self.planning.scores(now, {lease.user}).get(lease.user, 0.0))
         elif lease.state.terminal:
             self.state.leases.pop(lease.id, None)
         if before == LeaseState.QUEUED and change.state is not None:
@@ -336,6 +390,9 @@ class LeaseManager:
     def gpus_changed(self) -> None:
         self.gpu_summary.changed()
 
+    def publish(self, kind: str, /, **fields: Any) -> None:
+        self.group.after(functools.partial(self.events.publish, kind, **fields))
+
     def placed(self, lease: Lease, devices: tuple[str, ...] | None) -> None:
         self.commit(lease, Change(devices=devices, event="placed"))
 
@@ -349,7 +406,7 @@ class LeaseManager:
         """One scheduling pass (an event or a full one: ``Planning.select``); returns how many grants it committed."""
         now = self.clock.now()
         growable = self.planning.growable(now)
-        if not len(self.state.queue) and not self.preemption.warnings and not growable:
+        if not len(self.state.queue) and not self.preemption.warned and not growable:
             self.planning.select(now)  # keeps the full passes' rhythm
             self.state.planned, self.state.waiting = {}, {}
             return 0
@@ -379,9 +436,6 @@ class LeaseManager:
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Enforce time: expiry, heartbeats, idleness, warnings, kills, drains. Then schedule."""
-        if self.engine.loop is None:
-            with contextlib.suppress(RuntimeError):
-                self.engine.loop = asyncio.get_running_loop()
         step = self.clock.resync()  # deadlines run on the monotonic clock; a wall-clock step moves them all
         if step:
             self.retime(step)
@@ -405,17 +459,18 @@ class LeaseManager:
                 # back in its place (arrival order), its user re-scored by the full pass that replan asks for
                 self.state.queue.add(dataclasses.replace(queued, queued_at=lease.created_at), 0.0)
         self.enforcer.retime(step)
-        self.preemption.retime(step)
         self.replan()
 
     def restore(self) -> dict[str, int]:
         """Reload every non-terminal lease and reconcile it with what is running now."""
         now = self.clock.now()
-        live = load_live(self.store, now)
-        for lease, alive in live:
+        live = reconciled(self.store.live(), now)
+        for lease, _ in live:
             self.state.leases[lease.id] = lease
-            self.enforcer.remember(lease.id, alive)
+        for lease, change in live:
+            self.commit(lease, change)  # (stored only when processes it had are gone)
         self.state.table.rebuild(self.leases.values())
+        self.preemption.restored(list(self.leases.values()))
         counts = {"queued": 0, "holding": 0, "failed": 0, "holder_exited": 0}
         for lease, _ in live:
             if lease.state not in HOLDING:
@@ -437,3 +492,89 @@ class LeaseManager:
         self.planning.full_due = True
         self.schedule()
         return counts
+
+
+def reconciled(stored: list[Lease], now: float) -> list[tuple[Lease, Change]]:
+    """The live leases as stored (in arrival order), each with the change that reconciles it with now: its holders
+    could not heartbeat while the broker was down, and only its processes still alive (by start time) stay
+    attached."""
+    out = []
+    for lease in stored:
+        alive = {p: t for p, t in lease.processes.items() if same_process(p, t)}
+        out.append((lease, Change(last_heartbeat=now, last_activity=max(lease.last_activity, now),
+                                  processes=alive if alive != lease.processes else None)))
+    return out
+
+
+def double_grants(holding: list[Lease]) -> list[tuple[Lease, str, str]]:
+    """Leases (in arrival order) holding an exclusive GPU that an earlier lease holds: (lease, GPU, earlier)."""
+    owner: dict[str, str] = {}
+    out = []
+    for lease in holding:
+        if lease.request.shared:
+            continue
+        twice = next((d for d in lease.devices if d in owner), None)
+        if twice is not None:
+            out.append((lease, twice, owner[twice]))
+        else:
+            owner.update((d, lease.id) for d in lease.devices)
+    return out
+
+
+log = logging.getLogger("lease_broker")
+
+
+class Iteration:
+    """The end of an event-loop iteration: one scheduling pass for every change of the iteration, then the group
+    commit of every write it made (``store.group_commit``).
+
+    Under load many requests and releases arrive in one iteration; the first change of an iteration queues one
+    callback (``Driver.call_soon``) that runs the pass (which may add grants) and then commits the iteration's
+    writes together. Answers wait for it (:meth:`settled`), so a client that releases and then asks again sees the
+    GPU handed on, and no answer reports a change that is not stored yet. Without a deferring driver a pass runs at
+    once and writes commit at once, through the same group commit.
+    """
+
+    def __init__(self, *, store: Store, driver: Driver, run_pass: Callable[[], object],
+                 on_failed: Callable[[], None]) -> None:
+        self._run_pass, self.driver = run_pass, driver
+        self.group = GroupCommit(store, driver, on_open=self._queue, on_failed=on_failed)
+        self._queued = False  # the end-of-iteration callback is queued
+        self._pass_due = False
+        self._waiting: list[asyncio.Future[None]] = []
+
+    def pass_soon(self) -> None:
+        """A scheduling pass at the end of this iteration (one for all its changes); at once without a loop."""
+        if not self.driver.deferred:
+            self._run_pass()
+            return
+        self._pass_due = True
+        self._queue()
+
+    async def settled(self) -> None:
+        """Return once the pass queued so far has run and every write so far is stored (``StoreError`` if the
+        writes could not be stored)."""
+        if self._queued and not self.group.open:  # a pass is due: it may write
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting.append(fut)
+            await fut
+        await self.group.durable()
+
+    def _queue(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self.driver.call_soon(self._end)
+
+    def _end(self) -> None:
+        if self._pass_due:
+            self._pass_due = False
+            try:
+                self._run_pass()
+            except Exception:  # e.g. the store cannot be written: the next request, release or tick tries again
+                log.exception("Scheduling pass failed")
+        self._queued = False  # from here, a change (e.g. by an action after the commit) queues the next one
+        self.group.flush()
+        waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)

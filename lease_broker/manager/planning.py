@@ -12,10 +12,10 @@ from ..core.lease import Lease
 from ..core.scheduler import Growing, Pending, Reservation
 from ..policy.lease_policy import LeasePolicy
 from ..policy.limits import DAY
+from .accounting import Accounting
 from .quotas import Quotas
 from .reservations import Reservations
 from .state import LiveState
-from .usage import Usage
 
 
 class Placements(Protocol):
@@ -23,10 +23,10 @@ class Placements(Protocol):
 
 
 class Planning:
-    def __init__(self, state: LiveState, policy: LeasePolicy, placements: Placements, quotas: Quotas, usage: Usage,
+    def __init__(self, *, state: LiveState, policy: LeasePolicy, placements: Placements, quotas: Quotas, accounting: Accounting,
                  reservations: Reservations) -> None:
         self.state, self.policy, self.placements = state, policy, placements
-        self.quotas, self.usage, self.reservations = quotas, usage, reservations
+        self.quotas, self.accounting, self.reservations = quotas, accounting, reservations
         self.arrived: list[str] = []  # queued since the last pass: the next event pass looks at them
         self.last_full = -1e18  # when the last full pass ran
         self.full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
@@ -48,10 +48,16 @@ class Planning:
         full = self.full_due or now - self.last_full >= self.policy.full_pass_seconds
         depth, window = self.policy.queue_depth, 0
         if full:
+            everyone = self.full_due  # (a restore, a retime or a failed write queued requests at 0: all re-scored)
             self.last_full, self.full_due, self.plan = now, False, {}  # plans every reservation afresh
             if len(q):  # (no usage to load for an empty queue: a restart with no request waiting skips it)
-                scores = self.scores(now, q.users())
-                q.rescore(scores.__getitem__)
+                # only users whose usage is not 0, or may have left 0 since the last full pass (a user who never
+                # held a GPU scores 0, and decay never makes 0 non-zero): not O(users queued)
+                risen = self.accounting.risen(now)
+                risen = None if everyone else risen
+                users = q.users() if risen is None else {u for u in risen if q.queued_by(u)} | q.scored_users()
+                scores = self.scores(now, users)
+                q.rescore(lambda u: scores.get(u, 0.0), None if risen is None else users)
             window = self.policy.full_pass_depth
             if not window or len(q) <= depth + window:
                 self.cursor = depth
@@ -72,10 +78,10 @@ class Planning:
         return itertools.chain(pending, _once(rest, seen)), full
 
     def scores(self, now: float, users: set[str]) -> dict[str, float]:
-        """Each user's fair-share score: decayed past usage divided by their weight (lower goes first)."""
+        """The fair-share score of those of ``users`` whose score is not 0 (absent: 0): decayed past usage divided by
+        their weight (lower goes first)."""
         weights = self.policy.weight
-        usage = self.usage.fairshare(now, users)
-        return {u: usage.get(u, 0.0) / weights(u) for u in users}
+        return {u: v / weights(u) for u, v in self.accounting.fairshare(now, users).items() if v}
 
     def growable(self, now: float) -> list[Lease]:
         """Holding incremental leases below their max_gpus whose request says ``grow`` (code that takes added GPUs:
@@ -94,11 +100,12 @@ class Planning:
                     tuple(lease.devices), lease.expires_at or now)
             for lease in growable]
         grower_users = {g.pending.user for g in growing}
-        users = self.state.queue.users() | grower_users
+        budget = self.quotas.day_budget(now, self.state.queue.users() | grower_users) \
+            if self.policy.quotas_configured() else None  # (the users of a deep queue: only with quotas)
         return {"policy": self.policy.scheduler_policy(), "usage": self.scores(now, grower_users) if growing else {},
-                "budget": self.quotas.day_budget(now, users), "reservations": self.reservations.windows(now),
+                "budget": budget, "reservations": self.reservations.windows(now),
                 "growing": growing, "ordered": True, "plan": self.plan,
-                "all_exclusive": self.state.queue.all_exclusive()}
+                "all_exclusive": self.state.queue.all_exclusive(), "shortest": self.state.queue.shortest()}
 
 
 def _once(pending: Iterable[Pending], seen: set[str]) -> Iterator[Pending]:
@@ -107,3 +114,35 @@ def _once(pending: Iterable[Pending], seen: set[str]) -> Iterator[Pending]:
         if p.lease_id not in seen:
             seen.add(p.lease_id)
             yield p
+
+
+KEEP = 10_000  # at most this many notebooks remembered (the oldest forgotten first)
+
+
+class WarmRegrants:
+    def __init__(self, *, policy: LeasePolicy) -> None:
+        self.policy = policy  # its warm_regrant_seconds: the window (0 = off), read at each use
+        self._last: dict[tuple[str, str], tuple[tuple[str, ...], float]] = {}  # (user, notebook) -> GPUs, end
+
+    def ended(self, lease: Lease) -> None:
+        """A lease that held GPUs ended: its notebook's next request may get them again."""
+        notebook = lease.request.labels.get("notebook")
+        if not self.policy.warm_regrant_seconds or not notebook or not lease.devices or lease.ended_at is None:
+            return
+        key = (lease.user, notebook)
+        self._last.pop(key, None)  # re-inserted last: the dict stays in order of ends
+        self._last[key] = (tuple(lease.devices), lease.ended_at)
+        if len(self._last) > KEEP:
+            del self._last[next(iter(self._last))]
+
+    def prefer(self, lease: Lease) -> tuple[str, ...]:
+        """The GPUs a new request's notebook gave back within the window before it asked; () if none."""
+        notebook = lease.request.labels.get("notebook")
+        window = self.policy.warm_regrant_seconds
+        if not window or not notebook:
+            return ()
+        last = self._last.get((lease.user, notebook))
+        if last is None:
+            return ()
+        devices, ended_at = last
+        return devices if 0.0 <= lease.created_at - ended_at <= window else ()

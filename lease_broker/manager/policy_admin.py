@@ -13,8 +13,7 @@ from ..core.clock import Clock
 from ..core.errors import BadRequest, LeaseError
 from ..policy.lease_policy import LeasePolicy
 from ..store.admin_store import AdminStore
-from .events import EventBus
-from .ports import LeaseOps
+from .state import LeaseOps
 
 log = logging.getLogger("lease_broker")
 
@@ -29,8 +28,8 @@ def _named_field(message: str, changes: dict[str, Any]) -> str:
 
 
 class PolicyAdmin:
-    def __init__(self, policy: LeasePolicy, store: AdminStore, events: EventBus, ops: LeaseOps, clock: Clock) -> None:
-        self.policy, self.store, self.events, self.ops, self.clock = policy, store, events, ops, clock
+    def __init__(self, *, policy: LeasePolicy, store: AdminStore, ops: LeaseOps, clock: Clock) -> None:
+        self.policy, self.store, self.ops, self.clock = policy, store, ops, clock
 
     def update(self, who: str, changes: dict[str, Any], source: str = "api") -> dict[str, Any]:
         """Apply policy changes without dropping leases; refuse an invalid one naming the field; audit it."""
@@ -57,7 +56,7 @@ class PolicyAdmin:
                 setattr(pol, key, new)
         self.store.audit(self.clock.now(), who, source, diff)
         log.info("Policy changed by %s via %s: %s", who, source, ", ".join(sorted(diff)))
-        self.events.publish("policy", change="updated", fields=sorted(diff), by=who if source != "api" else None)
+        self.ops.publish("policy", change="updated", fields=sorted(diff), by=who if source != "api" else None)
         self.ops.replan()
         return diff
 

@@ -9,43 +9,36 @@ for the same request.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 from typing import Any
 
-from ..core.lease import HOLDING, Lease, LeaseState
+from ..core.lease import HOLDING, WITHDRAWN, Change, Lease, LeaseState, Preempting
 from ..core.reservation_windows import window_slots
 from ..host.procs import signal_group
 from ..policy.lease_policy import LeasePolicy
-from ..store.admin_store import AdminStore
 from .enforcer import Enforcer
-from .events import EventBus
-from .ports import LeaseOps
 from .reservations import Reservations
-from .state import LiveState
+from .state import LeaseOps, LiveState
 
 log = logging.getLogger("lease_broker")
 REASON = "preempted"
 MAX_TRIED = 8  # preempting requests looked at per pass (each costs a pass over the leases)
 
 
-@dataclasses.dataclass
-class Warning_:
-    by_lease: str
-    by_class: str
-    deadline: float
-
-
 class Preemption:
     """Warnings given to leases that a blocked request of a higher class will take GPUs from."""
 
-    def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, store: AdminStore, events: EventBus,
-                 enforcer: Enforcer, reservations: Reservations) -> None:
-        self.state, self.ops, self.policy, self.store, self.events = state, ops, policy, store, events
+    def __init__(self, *, state: LiveState, ops: LeaseOps, policy: LeasePolicy, enforcer: Enforcer,
+                 reservations: Reservations) -> None:
+        self.state, self.ops, self.policy = state, ops, policy
         self.enforcer, self.reservations = enforcer, reservations
-        self.warnings: dict[str, Warning_] = {}  # victim lease id -> its warning
+        self.warned: set[str] = set()  # holding leases with a warning: an index of ``Lease.preempting``
         self._running = False
+
+    def restored(self, leases: list[Lease]) -> None:
+        """The index of warned leases after a restart (their warnings are facts of the leases, stored with them)."""
+        self.warned = {lease.id for lease in leases if lease.preempting is not None and lease.state in HOLDING}
 
     def choose_victims(self, p: Lease, marked: set[str], now: float) -> list[Lease] | None:
         """The fewest lower-class leases whose GPUs, with the idle ones, fit ``p``; None if none do."""
@@ -91,20 +84,15 @@ class Preemption:
     def warn(self, victim: Lease, by: Lease, grace: float, now: float) -> None:
         deadline = now + grace
         cls = by.request.priority
-        self.warnings[victim.id] = Warning_(by.id, cls, deadline)
-        self.store.preempting(victim.id, by.id, by.user, cls, now, deadline)
+        self.ops.commit(victim, Change(preempting=Preempting(by.id, by.user, cls, now, deadline), event="preempting"))
+        self.warned.add(victim.id)
         log.info("Lease %s of %s preempted by class %s (lease %s): grace %g s", victim.id, victim.user, cls, by.id,
                  grace)
-        for pid, ticks in self.enforcer.proc_ticks.get(victim.id, {}).items():
+        for pid, ticks in victim.processes.items():
             if signal_group(pid, ticks, signal.SIGUSR1):
                 log.info("Lease %s: SIGUSR1 to process group of %s (preemption warning)", victim.id, pid)
-        self.events.publish("lease.preempting", lease_id=victim.id, user=victim.user, by_class=cls,
-                            grace_seconds=grace, deadline=deadline)
-
-    def retime(self, step: float) -> None:
-        """The wall clock stepped ``step`` seconds: each warned lease keeps the rest of its grace."""
-        for w in self.warnings.values():
-            w.deadline += step
+        self.ops.publish("lease.preempting", lease_id=victim.id, user=victim.user, by_class=cls,
+                         grace_seconds=grace, deadline=deadline)
 
     def run(self, now: float) -> None:
         """After a pass: revoke victims whose grace is over; warn new victims for blocked preempting requests.
@@ -120,20 +108,23 @@ class Preemption:
     def _run(self, now: float) -> None:
         leases = self.state.leases
         grace_of = self.policy.preempt_grace_seconds
-        for vid, w in list(self.warnings.items()):
-            victim, by = leases.get(vid), leases.get(w.by_lease)
-            if victim is None or victim.state not in HOLDING:
-                self.warnings.pop(vid, None)
-            elif by is None or by.state != LeaseState.QUEUED:
-                self.warnings.pop(vid, None)  # the request was granted elsewhere or cancelled: no need any more
-                self.store.drop_preemption(vid)
-                self.events.publish("lease.preemption_cancelled", lease_id=vid, user=victim.user)
+        for vid in list(self.warned):
+            victim = leases.get(vid)
+            w = victim.preempting if victim is not None else None
+            if victim is None or w is None or victim.state not in HOLDING:
+                self.warned.discard(vid)
+                continue
+            by = leases.get(w.by_lease)
+            if by is None or by.state != LeaseState.QUEUED:
+                self.warned.discard(vid)  # the request was granted elsewhere or cancelled: no need any more
+                self.ops.commit(victim, Change(preempting=WITHDRAWN, event="preemption_cancelled"))
+                self.ops.publish("lease.preemption_cancelled", lease_id=vid, user=victim.user)
             elif now >= w.deadline:
-                self.warnings.pop(vid, None)
+                self.warned.discard(vid)
                 self.ops.end(victim, LeaseState.REVOKED, REASON)
         if not grace_of:
             return
-        waiting_for = {w.by_lease for w in self.warnings.values()}
+        waiting_for = {w.by_lease for vid in self.warned if (v := leases.get(vid)) and (w := v.preempting)}
         tried = 0
         for q in self.state.queue.head(self.policy.queue_depth):
             lid = q.lease_id
@@ -143,7 +134,7 @@ class Preemption:
             if tried == MAX_TRIED:
                 return
             tried += 1
-            victims = self.choose_victims(p, set(self.warnings), now)
+            victims = self.choose_victims(p, self.warned, now)
             if not victims:
                 continue
             grace = float(grace_of[p.request.priority])
@@ -155,13 +146,12 @@ class Preemption:
 
     def view(self, lease: Lease, admin: bool) -> dict[str, Any]:
         """A lease's preemption for its view: the class that preempts it (and, for admins, by whom)."""
-        w = self.warnings.get(lease.id)
-        if w is not None:
+        w = lease.preempting
+        if w is not None and lease.state in HOLDING:
             return {"preempting": {"by_class": w.by_class, "deadline": w.deadline}}
         if lease.reason != REASON:
             return {}
-        info = self.store.preemption(lease.id)
-        out: dict[str, Any] = {"priority": info["by_class"] if info else None}
-        if info and admin:
-            out.update(user=info["by_user"], lease_id=info["by_lease"])
+        out: dict[str, Any] = {"priority": w.by_class if w else None}
+        if w and admin:
+            out.update(user=w.by_user, lease_id=w.by_lease)
         return {"preempted_by": out}

@@ -20,7 +20,7 @@ from .state import LiveState
 
 
 class Quotas:
-    def __init__(self, state: LiveState, policy: LeasePolicy, store: AdminStore, reservations: Reservations,
+    def __init__(self, *, state: LiveState, policy: LeasePolicy, store: AdminStore, reservations: Reservations,
                  enforcer: Enforcer) -> None:
         self.state, self.policy, self.store = state, policy, store
         self.reservations, self.enforcer = reservations, enforcer

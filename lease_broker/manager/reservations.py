@@ -20,9 +20,7 @@ from ..core.reservation_windows import Window, window_slots
 from ..policy.lease_policy import LeasePolicy
 from ..store.admin_store import AdminStore, Reservation
 from .enforcer import Enforcer
-from .events import EventBus
-from .ports import LeaseOps
-from .state import LiveState
+from .state import LeaseOps, LiveState
 
 
 def _when(value: Any, now: float, what: str) -> float:
@@ -42,10 +40,9 @@ def _when(value: Any, now: float, what: str) -> float:
 class Reservations:
     """The live reservations (not cancelled, not ended before the broker started) and what they hold."""
 
-    def __init__(self, state: LiveState, ops: LeaseOps, policy: LeasePolicy, store: AdminStore, events: EventBus,
+    def __init__(self, *, state: LiveState, ops: LeaseOps, policy: LeasePolicy, store: AdminStore,
                  enforcer: Enforcer, now: float) -> None:
-        self.state, self.ops, self.policy, self.store, self.events, self.enforcer = \
-            state, ops, policy, store, events, enforcer
+        self.state, self.ops, self.policy, self.store, self.enforcer = state, ops, policy, store, enforcer
         self.live: list[Reservation] = store.reservations(since=now)
 
     def create(self, who: Identity, body: dict[str, Any], now: float) -> Reservation:
@@ -102,9 +99,9 @@ class Reservations:
         self.live[:] = [x for x in self.live if x.id != rid]
         return r
 
-    def publish(self, r: Reservation, change: str, now: float) -> None:
+    def changed(self, r: Reservation, change: str, now: float) -> None:
         """An event for the sidebar and `gpulease status`: a reservation was created or cancelled."""
-        self.events.publish("reservation", change=change, reservation=self.view(r, now), user=None)
+        self.ops.publish("reservation", change=change, reservation=self.view(r, now), user=None)
         self.ops.gpus_changed()
 
     def members(self, r: Reservation, users: Iterable[str]) -> frozenset[str]:

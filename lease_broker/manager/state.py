@@ -1,17 +1,20 @@
-"""What the lease owner holds, for the parts of the broker to read.
+"""What the lease owner holds, for the parts of the broker to read (``LiveState``), and the narrow interface every
+part is given instead of the owner (``LeaseOps``): what it may ask.
 
 The :class:`~lease_broker.manager.manager.LeaseManager` is the only writer: it changes these through its one
 mutation path (``commit``). Parts (enforcement, preemption, reservations, quotas, views) read them and ask the
-owner for changes through :class:`~lease_broker.manager.ports.LeaseOps`.
+owner for changes, and to publish events, through ``LeaseOps``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from ..core.gpu import GPU, GpuSample
 from ..core.gputable import GpuTable
-from ..core.lease import Lease
+from ..core.lease import Change, Lease, LeaseState
+from ..core.lease_use import LeaseUse
 from ..core.queue import Queue
 
 
@@ -41,3 +44,39 @@ class LiveState:
 
     def held_by_user(self) -> dict[str, float]:
         return dict(self.table.held_by_user)
+
+
+class LeaseOps(Protocol):
+    def end(self, lease: Lease, target: LeaseState, reason: str) -> None:
+        """End a lease (persisted and published), stop its processes and hand its GPUs on."""
+
+    def mark_idle(self, lease: Lease) -> None:
+        """A holding lease showed no activity for ``idle_mark_seconds``."""
+
+    def activity(self, lease: Lease, now: float) -> None:
+        """A holding lease did work at ``now``."""
+
+    def used(self, lease: Lease, use: LeaseUse) -> None:
+        """A holding lease's usage figures grew (kept in memory; stored with its next transition)."""
+
+    def schedule_soon(self) -> None:
+        """GPUs or policy changed: run a scheduling pass soon (once for all changes of this loop iteration)."""
+
+    def placed(self, lease: Lease, devices: tuple[str, ...] | None) -> None:
+        """An engine placed a granted lease (on ``devices`` when it chose others than the broker)."""
+
+    def set_gpus(self, gpus: list[GPU]) -> None:
+        """The inventory's GPUs changed (a node joined or left)."""
+
+    def replan(self) -> None:
+        """The policy or the reservations changed: the next pass (soon) is a full one over the whole queue."""
+
+    def gpus_changed(self) -> None:
+        """The GPUs' states changed: publish the GPU summary (throttled)."""
+
+    def publish(self, kind: str, /, **fields: Any) -> None:
+        """Publish an event once what memory holds now is stored (the group commit's ``after``): no part publishes
+        a change that a failed commit then undoes."""
+
+    def commit(self, lease: Lease, change: Change) -> None:
+        """Change a fact of a lease (its state, times, warnings, preemption): the one mutation path."""

@@ -14,8 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpulease_protocol.words import clock_text, duration_text, gpus_text
+
 KINDS = ("granted", "warning", "ended", "bg")
-ENDED = {"revoked", "expired", "preempted", "failed"}
+#: Endings its holder chose: no news, but for a background cell that finished.
+OWN_ENDINGS = ("released", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -44,16 +47,16 @@ def _where(lease: dict[str, Any]) -> str:
 def _gpus(lease: dict[str, Any]) -> str:
     devices = lease.get("devices") or []
     names = ", ".join(f"{d.get('node', '')}/{d.get('index', '')}".lstrip("/") for d in devices)
-    n = len(devices)
-    return f"{n} GPU{'s' if n != 1 else ''}" + (f": {names}" if names else "")
+    return gpus_text(len(devices)) + (f": {names}" if names else "")
 
 
-def _clock(t: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "?"
-
-
-def message(event: dict[str, Any]) -> Message | None:
+def message(event: dict[str, Any], now: float | None = None) -> Message | None:
     """The message an event gives its lease's owner, or None when it is nothing to tell."""
+    now = time.time() if now is None else now
+
+    def _clock(t: float | None) -> str:
+        return clock_text(t, now) if t else "?"
+
     etype, user = event.get("type"), event.get("user")
     if not user:
         return None
@@ -64,16 +67,18 @@ def message(event: dict[str, Any]) -> Message | None:
                 lease["granted_at"] - lease.get("created_at", lease["granted_at"]) >= 1.0:
             waited = lease["granted_at"] - lease["created_at"]
             return Message(f"{lid}:granted", "granted", user, lid, f"GPU lease {lid} granted",
-                           f"Your GPU request {lid}{_where(lease)} was granted after {waited:.0f} s in the queue: "
+                           f"Your GPU request {lid}{_where(lease)} was granted after {duration_text(waited)} in the queue: "
                            f"{_gpus(lease)}, until {_clock(lease.get('expires_at'))}.")
-        if change in ENDED:
+        if lease.get("phase") != "ended" or change != lease.get("state"):
+            return None
+        if change not in OWN_ENDINGS:
             return Message(f"{lid}:ended", "ended", user, lid, f"GPU lease {lid} {change}",
-                           f"Your GPU lease {lid}{_where(lease)} was {change} ({lease.get('reason', '')}).")
-        if change == "released" and (lease.get("labels") or {}).get("bg"):
+                           f"Your GPU lease {lid}{_where(lease)} ended: {lease.get('reason_text') or change}.")
+        if (lease.get("labels") or {}).get("bg"):
             name = lease["labels"]["bg"]
             return Message(f"{lid}:bg", "bg", user, lid, f"Background cell {name} finished",
-                           f"Your background cell {name}{_where(lease)} finished and released lease {lid} "
-                           f"({lease.get('reason', '')}).")
+                           f"Your background cell {name}{_where(lease)} finished and ended lease {lid}: "
+                           f"{lease.get('reason_text') or change}.")
         return None
     if etype == "warning":
         lid, deadline = event.get("lease_id", ""), event.get("deadline")

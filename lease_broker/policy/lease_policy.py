@@ -1,22 +1,29 @@
-"""Admin policy: what a lease may ask for and how long it may hold GPUs."""
+"""Admin policy: what a lease may ask for and how long it may hold GPUs, per user and per group (quotas, fair
+share, preemption, reservations)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from traitlets import Bool, Dict, Enum, List, TraitError, Unicode, validate
+from traitlets import All, Bool, Dict, Enum, List, TraitError, Unicode, observe, validate
 from traitlets.config import Configurable
 
-from ..core.errors import BadRequest, Forbidden
+from ..core.errors import BadRequest, Forbidden, TooManyRequests
 from ..core.gpufit import Aliases, aliases_of
 from ..core.lease import LeaseRequest
 from ..core.scheduler import SchedulerPolicy
-from .limits import LimitsPolicy
+from ..host.users import forget_groups
+from .limits import DAY, LIMIT_KEYS, QUOTA_KEYS, Limits, check_limits
 from .numbers import Float, Integer  # finite and >= 0, refused naming the option (numbers.py)
 
 
-class LeasePolicy(LimitsPolicy, Configurable):
-    """Limits every lease request; caps are applied, not negotiated."""
+class LeasePolicy(Configurable):
+    """Limits every lease request; caps are applied, not negotiated.
+
+    The options are this class's (``LeasePolicy.<name>``); ``limits`` resolves the per-user and per-group ones and
+    keeps their answers until ``reload()``, the one invalidation: on every change of an option and on SIGHUP.
+    """
 
     default_duration_seconds = Float(
         3600.0,
@@ -187,6 +194,122 @@ class LeasePolicy(LimitsPolicy, Configurable):
         "Example: 'kill'.",
     )
 
+    # --- limits per user and per group (resolved by ``limits``), quotas, fair share, preemption, reservations ---
+    gpu_hours_per_day = Float(
+        0.0,
+        config=True,
+        help="GPU-hours one user may use in any 24 hours (ended leases' held time plus running leases' full "
+        "time limit); a request that would exceed it waits. 0 = unlimited. Example: 24.",
+    )
+    allowed_priority_classes = List(
+        Unicode(),
+        config=True,
+        help="Priority classes users may ask for by default; [] = every class in priority_classes. "
+        "Example: ['low', 'normal'].",
+    )
+    fairshare_weight = Float(
+        1.0,
+        positive=True,
+        config=True,
+        help="Default fair-share weight of a user (> 0): within a priority class, users are served by decayed "
+        "past GPU-seconds divided by their weight, least first. Example: 1.0 (2.0 = twice the share).",
+    )
+    fairshare_half_life_seconds = Float(
+        7 * DAY,
+        config=True,
+        help="Half-life in seconds of past GPU usage in fair share (usage this old counts half). "
+        "0 = no decay (all history counts fully). Example: 604800 (7 days).",
+    )
+    user_limits = Dict(
+        config=True,
+        help="Per-user limits overriding the defaults, e.g. {'alice': {'max_gpus': 8, 'gpu_hours_per_day': 48, "
+        "'priority_classes': ['low', 'normal', 'high'], 'fairshare_weight': 2}}. Keys: " + ", ".join(LIMIT_KEYS)
+        + " (durations in seconds; 0 = unlimited where the default allows it). max_gpus may also be per GPU type "
+        "(as --gpu-type names them): {'bob': {'max_gpus': {'H100': 1, '*': 4}}} = at most 1 H100 and 4 GPUs "
+        "in all ('*'; absent: the default).",
+    )
+    group_limits = Dict(
+        config=True,
+        help="Per-group limits for each member (same keys as user_limits; a user in several groups gets the most "
+        "generous), e.g. {'ml-team': {'max_gpus': 4}}. A user's own user_limits entry wins.",
+    )
+    group_quotas = Dict(
+        config=True,
+        help="Limits on what all members of a group hold together: {'ml-team': {'max_gpus': 6, "
+        "'gpu_hours_per_day': 100}}. 0 or absent = unlimited.",
+    )
+    group_members = Dict(
+        value_trait=List(Unicode()),
+        config=True,
+        help="Configured group membership, in addition to Unix groups and JupyterHub groups (identity 'hub'), "
+        "e.g. {'ml-team': ['alice', 'bob']}.",
+    )
+    unix_groups = Bool(
+        True,
+        config=True,
+        help="Whether a Unix user's groups (the host's group database) count as their groups for group_limits, "
+        "group_quotas and reservations. A JupyterHub user has no Unix groups (a Hub name is not this host's user) "
+        "unless LeaseBroker.hub_users_are_unix_users maps them. Example: False (only group_members and JupyterHub "
+        "groups).",
+    )
+    preempt_grace_seconds = Dict(
+        value_trait=Float(),
+        config=True,
+        help="Priority classes that may preempt leases of lower classes, with the grace in seconds the victim gets "
+        "(a 'lease.preempting' event and SIGUSR1 to its processes) before it is revoked with reason 'preempted'. "
+        "Absent = the class never preempts; 0 = no grace. Example: {'high': 300}.",
+    )
+    user_reservation_max_gpus = Integer(
+        0,
+        config=True,
+        help="How many GPUs a non-admin user may reserve for themselves in advance (admins reserve any number "
+        "for any user or group). 0 = only admins reserve. Example: 2.",
+    )
+    max_reservation_seconds = Float(
+        86400.0,
+        config=True,
+        help="Longest window in seconds a non-admin user may reserve. 0 = unlimited. Example: 14400 (4 h).",
+    )
+
+    max_queued_per_user = Integer(
+        1000,
+        config=True,
+        help="Requests one user may have waiting in the queue at once, admins too (like Slurm's MaxSubmitJobs); one "
+        "more is refused with 429 naming the cap, and the user may ask again once some were granted or cancelled. "
+        "It keeps one user from filling the broker's memory and store. user_limits and group_limits may set "
+        "'max_queued' per user or group. 0 = unlimited. Example: 1000.",
+    )
+
+    shared_mps = Unicode(
+        "auto",
+        config=True,
+        help="Whether shared (fractional) leases get CUDA MPS limits in their environment "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE from the fraction, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from the memory "
+        "cap): 'auto' when the MPS control daemon runs (its pipe in $CUDA_MPS_PIPE_DIRECTORY, default "
+        "/tmp/nvidia-mps), 'on', or 'off'. GPULEASE_MEMORY_LIMIT and GPULEASE_MEMORY_FRACTION are always set.",
+    )
+    enforce_memory_caps = Bool(
+        True,
+        config=True,
+        help="Whether a shared lease whose processes use more GPU memory than its cap (--mem, else its fraction of "
+        "the GPU; NVML's per-process memory, CUDA context included) is revoked with reason 'over_memory_cap' "
+        "and its processes stopped. Needs an inventory with per-process memory (NVML). Example: False.",
+    )
+
+    @validate("shared_mps")
+    def _valid_mps(self, proposal: dict[str, Any]) -> str:
+        if proposal["value"] not in ("auto", "on", "off"):
+            raise ValueError(f"LeasePolicy.shared_mps={proposal['value']!r}: use 'auto', 'on' or 'off'")
+        return str(proposal["value"])
+
+    @validate("user_limits", "group_limits")
+    def _valid_limits(self, proposal: dict[str, Any]) -> dict[str, Any]:
+        return check_limits(proposal["trait"].name, proposal["value"])
+
+    @validate("group_quotas")
+    def _valid_quotas(self, proposal: dict[str, Any]) -> dict[str, Any]:
+        return check_limits("group_quotas", proposal["value"], QUOTA_KEYS)
+
     @validate("priority_classes")
     def _valid_classes(self, proposal: dict[str, Any]) -> dict[str, int]:
         classes = dict(proposal["value"])
@@ -205,6 +328,39 @@ class LeasePolicy(LimitsPolicy, Configurable):
         return str(proposal["value"])
 
     # ------------------------------------------------------------------------------------------
+    def __init__(self, unix_user_of: Callable[[str], str | None] | None = None, **kwargs: Any) -> None:
+        self.limits = Limits(self)
+        #: The Unix user an owner name stands for, or None (``core.identity.Namespaces.unix_name``: a Hub user is
+        #: not the Unix user of the same name unless an admin mapped them); given by the wiring from the identity mode.
+        self.unix_user_of: Callable[[str], str | None] = unix_user_of or (lambda owner: owner)
+        super().__init__(**kwargs)
+
+    @observe(All)
+    def _changed(self, change: Any) -> None:
+        self.reload()
+
+    def reload(self) -> None:
+        """Forget every answer kept from the options and the host: Unix groups are read again, limits resolved
+        again. Called when an option changes and on SIGHUP."""
+        forget_groups()
+        self.limits.forget()
+
+    def limit(self, user: str, key: str) -> Any:
+        """The effective limit ``key`` (one of LIMIT_KEYS) for ``user``."""
+        return self.limits.limit(user, key)
+
+    def groups_of(self, user: str) -> tuple[str, ...]:
+        return self.limits.groups_of(user)
+
+    def type_caps(self, user: str) -> dict[str, float]:
+        return self.limits.type_caps(user)
+
+    def learn_groups(self, user: str, groups: tuple[str, ...]) -> bool:
+        """The groups an identity provider (JupyterHub) reports for ``user`` now: they count beside Unix groups and
+        ``group_members`` from the user's next request on. Returns whether they changed (the caller stores them,
+        so a restarted broker knows them before the user calls again)."""
+        return self.limits.learn(user, groups)
+
     def user_cap(self, user: str) -> float:
         return float(self.limit(user, "max_gpus"))
 
@@ -212,6 +368,9 @@ class LeasePolicy(LimitsPolicy, Configurable):
         return SchedulerPolicy(
             priority_ranks=dict(self.priority_classes),
             user_cap=self.user_cap,
+            capped=bool(self.max_gpus_per_user or self.user_max_gpus
+                        or any("max_gpus" in v for v in (*self.user_limits.values(), *self.group_limits.values()))
+                        or any(v.get("max_gpus") for v in self.group_quotas.values())),
             max_shares_per_gpu=self.max_shares_per_gpu,
             max_leases_per_shared_gpu=self.max_leases_per_shared_gpu,
             backfill_depth=self.backfill_depth,
@@ -262,3 +421,58 @@ class LeasePolicy(LimitsPolicy, Configurable):
         if priority != req.priority:
             req = LeaseRequest(**{**req.to_json(), "priority": priority})
         return req, duration, idle
+
+    def group_cap(self, group: str) -> float:
+        return float(self.group_quotas.get(group, {}).get("max_gpus", 0.0))
+
+    def quotas_configured(self) -> bool:
+        return bool(
+            self.gpu_hours_per_day
+            or any("gpu_hours_per_day" in v for v in self.user_limits.values())
+            or any("gpu_hours_per_day" in v for v in self.group_limits.values())
+            or any(v.get("gpu_hours_per_day") for v in self.group_quotas.values())
+        )
+
+    def weight(self, user: str) -> float:
+        w = float(self.limit(user, "fairshare_weight"))
+        return w if w > 0 else 1.0
+
+    def check_allowed(self, user: str, priority: str) -> None:
+        allowed = self.limit(user, "priority_classes")
+        if priority not in allowed:
+            raise Forbidden(
+                f"Priority class {priority!r} is not allowed for {user}: use one of {', '.join(allowed)}",
+                reason="priority_not_allowed",
+            )
+
+    def check_queued(self, user: str, queued: int) -> None:
+        """Refuse one more request of ``user``, who has ``queued`` waiting, at their ``max_queued_per_user``."""
+        cap = int(self.limit(user, "max_queued"))
+        if cap and queued >= cap:
+            raise TooManyRequests(
+                f"{user} has {queued} requests waiting, the most one user may queue (max_queued_per_user={cap}): "
+                "cancel some, or ask again once some were granted", reason="queue_full", extra={"limit": cap})
+
+    def day_quotas(self, user: str) -> dict[str, float]:
+        """GPU-seconds per 24 h that bound ``user``: by the user, and by each of their groups ("@group")."""
+        out: dict[str, float] = {}
+        hours = float(self.limit(user, "gpu_hours_per_day"))
+        if hours > 0:
+            out[user] = hours * 3600.0
+        for g in self.groups_of(user):
+            gh = float(self.group_quotas.get(g, {}).get("gpu_hours_per_day", 0.0))
+            if gh > 0:
+                out["@" + g] = gh * 3600.0
+        return out
+
+    def check_day_quota(self, user: str, gpus: float, duration: float) -> None:
+        """Refuse a request that no day could ever fit (it would wait forever)."""
+        if not self.quotas_configured():
+            return
+        for who, seconds in self.day_quotas(user).items():
+            if gpus * duration > seconds + 1e-6:
+                raise Forbidden(
+                    f"Request for {gpus:g} GPUs for {duration:g} s ({gpus * duration / 3600:g} GPU-hours) exceeds the "
+                    f"daily quota of {seconds / 3600:g} GPU-hours of {who} (gpu_hours_per_day): ask for less time",
+                    reason="quota",
+                )

@@ -3,7 +3,7 @@
 integer too large for a JSON client) is refused naming the option and quoting the value, wherever it comes from:
 the config file at start, a SIGHUP reload, ``PUT /api/v1/policy``.
 
-``limits.py`` and ``lease_policy.py`` import these two in place of traitlets' own, so an option added there (or a
+``lease_policy.py`` imports these two in place of traitlets' own, so an option added there (or a
 ``Dict`` of numbers, through its ``value_trait``) is covered without a validator of its own: one rule, not one
 ``@validate`` per option.
 """

@@ -146,7 +146,7 @@ class _Sim:
             "duration_seconds": duration,
             "heartbeat": False,  # the replay stands in for the holder; time and idleness still apply
             "locality": "node" if gpus <= self.cluster.gpus_per_node else "any",
-            # a notebook's requests carry its name, as %%gpu's do (warm re-grants: manager/warm.py)
+            # a notebook's requests carry its name, as %%gpu's do (warm re-grants: manager/planning.py)
             "labels": {"replay": self.run.mode, **({"notebook": session} if session else {})},
         }
         if idle > 0:
@@ -280,8 +280,10 @@ class _LeaseSim(_Sim):
             self.m.release(lease.id, st["who"], "replay_too_small")  # a bigger cell: give back, ask anew
             self.collect()
         st["lease"], st["last"] = None, lease
-        for running in self.running.values() if self.record_estimates else ():  # active: their runners say so
-            if running.state in HOLDING:
+        # active: their runners say so (one heard from within ``quiet`` meets no idle check, nor an idle deadline
+        # in the estimates: as in _tick)
+        for running in self.running.values() if self.record_estimates else ():
+            if running.state in HOLDING and now - running.last_activity >= self.quiet:
                 self.m.activity(running, now)
         lease = self.request(st["who"], b.gpus, self.limit(b.duration + self.idle_req + LINGER_SLACK), self.idle_req,
                              (key, idx, out), key)
@@ -296,7 +298,7 @@ class _LeaseSim(_Sim):
         now = self.clock.now()
         if last is not None and last.ended_at is not None and now - OFFSET == out.arrival \
                 and now - last.ended_at <= REGRANT_WINDOW and set(lease.devices) == set(last.devices):
-            out.regranted = True  # its notebook's GPUs again, at once (manager/warm.py)
+            out.regranted = True  # its notebook's GPUs again, at once (manager/planning.py: WarmRegrants)
         self.start_burst(lease, then)
 
     def start_burst(self, lease: Lease, then: tuple[str, int, Outcome]) -> None:

@@ -1,4 +1,4 @@
-"""SQL of the admin features, on the lease store's connection: reservations, the policy audit, preemptions,
+"""SQL of the admin features, on the lease store's connection: reservations, the policy audit,
 and the history queries behind fair share, daily quotas and the usage report.
 
 Additive tables (``CREATE TABLE IF NOT EXISTS``), so an older store opens unchanged.
@@ -33,14 +33,6 @@ CREATE TABLE IF NOT EXISTS policy_audit (
     who TEXT NOT NULL,
     source TEXT NOT NULL,
     diff TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS preemptions (
-    lease_id TEXT PRIMARY KEY,
-    by_lease TEXT NOT NULL,
-    by_user TEXT NOT NULL,
-    by_class TEXT NOT NULL,
-    warned_at REAL NOT NULL,
-    deadline REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS learned_groups (user TEXT PRIMARY KEY, groups TEXT NOT NULL, at REAL NOT NULL);
 """
@@ -80,14 +72,14 @@ class AdminStore:
 
     # --- reservations --------------------------------------------------------------------------
     def add_reservation(self, r: Reservation) -> None:
-        with self.store.transaction() as db:
+        with self.store.batched() as db:
             db.execute(
                 "INSERT INTO reservations VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (r.id, r.user, r.group, r.gpus, r.start, r.end, r.created_by, r.created_at, r.note, r.cancelled_at),
             )
 
     def cancel_reservation(self, rid: str, at: float) -> None:
-        with self.store.transaction() as db:
+        with self.store.batched() as db:
             db.execute("UPDATE reservations SET cancelled_at=? WHERE id=?", (at, rid))
 
     def reservations(self, since: float = 0.0, include_cancelled: bool = False) -> list[Reservation]:
@@ -100,7 +92,7 @@ class AdminStore:
 
     # --- policy audit --------------------------------------------------------------------------
     def audit(self, at: float, who: str, source: str, diff: dict[str, Any]) -> None:
-        with self.store.transaction() as db:
+        with self.store.batched() as db:
             db.execute(
                 "INSERT INTO policy_audit (at, who, source, diff) VALUES (?,?,?,?)",
                 (at, who, source, json.dumps(diff, sort_keys=True, default=str)),
@@ -110,22 +102,6 @@ class AdminStore:
         rows = self.db.execute("SELECT id, at, who, source, diff FROM policy_audit ORDER BY id DESC LIMIT ?", (limit,))
         return [{"id": r[0], "at": r[1], "who": r[2], "source": r[3], "diff": json.loads(r[4])} for r in rows]
 
-    # --- preemptions ---------------------------------------------------------------------------
-    def preempting(self, lease_id: str, by_lease: str, by_user: str, by_class: str, at: float, deadline: float) -> None:
-        with self.store.transaction() as db:
-            db.execute("REPLACE INTO preemptions VALUES (?,?,?,?,?,?)", (lease_id, by_lease, by_user, by_class, at, deadline))
-
-    def preemption(self, lease_id: str) -> dict[str, Any] | None:
-        r = self.db.execute("SELECT * FROM preemptions WHERE lease_id=?", (lease_id,)).fetchone()
-        if r is None:
-            return None
-        return {"lease_id": r[0], "by_lease": r[1], "by_user": r[2], "by_class": r[3], "warned_at": r[4], "deadline": r[5]}
-
-    def drop_preemption(self, lease_id: str) -> None:
-        with self.store.transaction() as db:
-            db.execute("DELETE FROM preemptions WHERE lease_id=?", (lease_id,))
-
-    # --- history -------------------------------------------------------------------------------
     def held_intervals(self, ended_after: float) -> list[tuple[str, str, float, float, float | None, float | None]]:
         """(lease id, user, gpus, granted_at, ended_at, expires_at) of every lease granted and not ended before."""
         rows = self.store.reading().execute(

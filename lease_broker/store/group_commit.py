@@ -19,8 +19,10 @@ dropped and every waiting answer gets the ``StoreError``, as a single transactio
 writers that share the group (``Store.batched``: the notification outbox, learned groups) run their statements in
 the open transaction at once, each in a savepoint of its own.
 
-Without a running event loop (the replay, unit tests) there is no iteration to share: each write is its own
-transaction, committed at once, and ``after`` actions run at once.
+What ends an iteration is explicit: a :class:`Driver`. The service attaches its event loop at start
+(``Driver.attach``); until then, and in the replay and unit tests that never attach one, there is no iteration to
+share: each write goes through the same path (held, written with ``write_leases``, committed) at once, a failure
+raises ``StoreError`` to the writer after its undo, and ``after`` actions run at once.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import asyncio
 import logging
 import sqlite3
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
+from ..core.driver import Driver
 from ..core.lease import Lease, LeaseState
 from .lease_store import Store, StoreError
 
@@ -38,11 +41,13 @@ log = logging.getLogger("lease_broker")
 
 
 class GroupCommit:
-    def __init__(self, store: Store, on_open: Callable[[], None], on_failed: Callable[[], None]) -> None:
-        """``on_open``: called when a group opens; its owner makes sure :meth:`flush` runs at the end of the
-        iteration (after its own end-of-iteration work, e.g. the scheduling pass that may add grants).
-        ``on_failed``: called after a failed group's undos, to rebuild what derives from the owner's memory."""
-        self.store = store
+    def __init__(self, store: Store, driver: Driver, on_open: Callable[[], None],
+                 on_failed: Callable[[], None]) -> None:
+        """``on_open``: called when a group opens under a deferring driver; its owner makes sure :meth:`flush` runs
+        at the end of the iteration (after its own end-of-iteration work, e.g. the scheduling pass that may add
+        grants). ``on_failed``: called after a failed group's undos, to rebuild what derives from the owner's
+        memory."""
+        self.store, self.driver = store, driver
         self._on_open, self._on_failed = on_open, on_failed
         self.open = False
         self._undo: list[Callable[[], None]] = []
@@ -52,23 +57,14 @@ class GroupCommit:
         self._new: dict[str, Lease] = {}
         self._changed: dict[str, Lease] = {}
         self._history: list[tuple[str, str | None, str, str, float]] = []
-        self._processes: list[tuple[str, int, int]] = []
         self.groups = 0  # committed groups, and the writes in them (GET /metrics)
         self.writes = 0
-        store.before_transaction = self._before_transaction
-        store.before_read = self._before_read
-        store.join_group = lambda: self.write(_nothing)
+        store.use_journal(self)
 
     def lease_write(self, lease: Lease, undo: Callable[[], None], at: float, *, new: bool = False,
-                    from_state: LeaseState | None = None, row: bool = True,
-                    attach: tuple[int, int] | None = None) -> None:
-        """One change of a lease (``Store.write_lease``'s arguments): held for the end of the iteration when an event
-        loop runs (``undo`` puts the owner's memory back should the group fail), else written in a transaction of
-        its own at once (a failure raises ``StoreError`` and writes nothing)."""
-        if not loop_running():
-            with self.store.transaction() as db:
-                self.store.write_lease(db, lease, at, new=new, from_state=from_state, row=row, attach=attach)
-            return
+                    from_state: LeaseState | None = None, row: bool = True) -> None:
+        """One change of a lease: held for the end of the iteration (``undo`` puts the owner's memory back should the
+        group fail); without a deferring driver committed at once (a failure undoes it and raises ``StoreError``)."""
         self._opened()
         if new:
             self._new[lease.id] = lease
@@ -77,20 +73,22 @@ class GroupCommit:
         if new or (row and from_state is not None):
             self._history.append((lease.id, None if new or from_state is None else from_state.value,
                                   lease.state.value, lease.reason, at))
-        if attach is not None:
-            self._processes.append((lease.id, *attach))
         self._undo.append(undo)
         self.writes += 1
+        self._commit_now()
+
+    def _commit_now(self) -> None:
+        """Without a deferring driver, each write is its own group: commit it, raising what failed."""
+        if not self.driver.deferred and self.open:
+            error = self.flush()
+            if error is not None:
+                raise error
 
     @contextmanager
     def write(self, undo: Callable[[], None]) -> Iterator[sqlite3.Connection]:
-        """Statements of another writer (``Store.batched``): in the open group when an event loop runs (``undo``
-        puts the owner's memory back should the group fail later), else in a transaction of their own. A failed
-        write changes nothing and raises ``StoreError``."""
-        if not loop_running():
-            with self.store.transaction() as db:
-                yield db
-            return
+        """Statements of another writer (``Store.batched``) in the open group (``undo`` puts the owner's memory back
+        should the group fail later; without a deferring driver the group commits at once). A failed write changes
+        nothing and raises ``StoreError``."""
         db = self.store.db
         try:
             self._write_held()
@@ -114,6 +112,7 @@ class GroupCommit:
         db.execute("RELEASE w")
         self._undo.append(undo)
         self.writes += 1
+        self._commit_now()
 
     def after(self, action: Callable[[], object]) -> None:
         """Run ``action`` once the writes so far are stored (at once when nothing waits to be committed)."""
@@ -130,18 +129,18 @@ class GroupCommit:
         self._waiting.append(fut)
         await fut
 
-    def flush(self) -> None:
+    def flush(self) -> StoreError | None:
         """Commit the open group: resolve the answers waiting for it and run its ``after`` actions; on failure,
-        undo its writes and fail the answers."""
+        undo its writes, fail the answers and return the error."""
         if not self.open:
-            return
+            return None
         try:
             self._write_held()
             with self.store.unwritable_as_store_error():
                 self.store.db.execute("COMMIT")
         except StoreError as e:
             self._failed(e)
-            return
+            return e
         self.open = False
         self.groups += 1
         waiting, after = self._waiting, self._after
@@ -154,11 +153,13 @@ class GroupCommit:
                 action()
             except Exception:
                 log.exception("An action after a store commit failed")
+        return None
 
     def _opened(self) -> None:
         if not self.open:
             self.open = True
-            self._on_open()
+            if self.driver.deferred:
+                self._on_open()
 
     def _write_held(self) -> None:
         """Write the held lease changes into the open transaction (begun here if need be); ``StoreError`` if that
@@ -167,17 +168,16 @@ class GroupCommit:
         with self.store.unwritable_as_store_error():
             if not db.in_transaction:
                 db.execute("BEGIN IMMEDIATE")
-            if self._new or self._changed or self._history or self._processes:
-                self.store.write_leases(db, self._new.values(), self._changed.values(), self._history,
-                                        self._processes)
+            if self._new or self._changed or self._history:
+                self.store.write_leases(db, self._new.values(), self._changed.values(), self._history)
                 self._drop_held()
 
     def _drop_held(self) -> None:
-        self._new, self._changed, self._history, self._processes = {}, {}, [], []
+        self._new, self._changed, self._history = {}, {}, []
 
-    def _before_read(self) -> None:
+    def before_read(self) -> None:
         """A read in the middle of an iteration sees the changes held so far (written, not committed)."""
-        if self.open and (self._new or self._changed or self._history or self._processes):
+        if self.open and (self._new or self._changed or self._history):
             try:
                 self._write_held()
             except StoreError as e:
@@ -199,7 +199,11 @@ class GroupCommit:
             if not fut.done():
                 fut.set_exception(error)
 
-    def _before_transaction(self) -> None:
+    def joined(self) -> AbstractContextManager[sqlite3.Connection]:
+        """Another writer's statements in the open group (``Store.batched``)."""
+        return self.write(_nothing)
+
+    def before_transaction(self) -> None:
         """Another write (drains, tokens, reservations, the policy audit) starts a transaction of its own: the
         group commits first, so that write keeps its own all-or-nothing answer."""
         self.flush()
@@ -208,7 +212,3 @@ class GroupCommit:
 def _nothing() -> None:
     """The undo of a write that changed nothing in memory."""
 
-
-def loop_running() -> bool:
-    """Whether this thread runs an event loop (cheap: no exception when it does not)."""
-    return asyncio._get_running_loop() is not None

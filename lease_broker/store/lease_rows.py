@@ -6,12 +6,13 @@ import json
 import sqlite3
 from typing import Any
 
-from ..core.lease import Lease, LeaseRequest, LeaseState
+from ..core.lease import Lease, LeaseRequest, LeaseState, Preempting
 from ..core.lease_use import LeaseUse
 
 COLUMNS = (
     "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
-    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage, holder"
+    "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage, holder, "
+    "preempting"
 )
 
 
@@ -34,10 +35,11 @@ def to_row(lease: Lease) -> tuple[Any, ...]:
         lease.idle_timeout_seconds,
         lease.last_heartbeat,
         lease.last_activity,
-        json.dumps(lease.pids),
+        json.dumps(list(lease.processes.items())),
         lease.secret_hash,
         lease.use.text(),
         f"{lease.holder[0]} {lease.holder[1]}" if lease.holder is not None else "",
+        lease.preempting.text() if lease.preempting is not None else "",
     )
 
 
@@ -69,11 +71,17 @@ def from_row(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
         idle_timeout_seconds=r[14],
         last_heartbeat=r[15],
         last_activity=r[16],
-        pids=pids,
+        processes=_processes(pids),
         secret_hash=r[18],
         use=LeaseUse.parse(r[19]),
         holder=_holder(r[20]),
+        preempting=Preempting.parse(r[21]),
     )
+
+
+def _processes(pids: list[Any]) -> dict[int, int]:
+    """The pids column: [[pid, start ticks], ...] (a store before schema 4 kept bare pids: start ticks unknown, 0)."""
+    return dict((int(p[0]), int(p[1])) if isinstance(p, list) else (int(p), 0) for p in pids)
 
 
 def _holder(text: str) -> tuple[int, int] | None:
@@ -84,8 +92,7 @@ def _holder(text: str) -> tuple[int, int] | None:
     return int(pid), int(start)
 
 
-MARKS = ",".join("?" * 21)
+MARKS = ",".join("?" * (COLUMNS.count(",") + 1))
 INSERT = f"INSERT INTO leases ({COLUMNS}) VALUES ({MARKS})"
 REPLACE = f"REPLACE INTO leases ({COLUMNS}) VALUES ({MARKS})"
 HISTORY = "INSERT INTO transitions (lease_id, from_state, to_state, reason, at) VALUES (?,?,?,?,?)"
-PROCESS = "REPLACE INTO processes VALUES (?,?,?)"

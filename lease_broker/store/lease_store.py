@@ -11,22 +11,23 @@ import logging
 import os
 import re
 import sqlite3
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from operator import itemgetter
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.errors import Unavailable
 from ..core.lease import TERMINAL, Lease, LeaseRequest, LeaseState
 from .checkpoint import Checkpointer
-from .lease_rows import COLUMNS, HISTORY, INSERT, PROCESS, REPLACE, from_row, to_row
+from .lease_rows import COLUMNS, HISTORY, INSERT, REPLACE, from_row, to_row
 from .upgrade import upgrade
 
 log = logging.getLogger("lease_broker")
 
-# 2: leases.usage (what each lease used); 3: leases.holder (the process a lease ends with); added to an older
-# store when it opens (store/upgrade.py)
-SCHEMA_VERSION = 3
+# 2: leases.usage (what each lease used); 3: leases.holder (the process a lease ends with); 4: leases.preempting
+# (the preemption warning, a fact of the lease; the preemptions table folded in); added to an older store when it
+# opens (store/upgrade.py)
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -51,7 +52,8 @@ CREATE TABLE IF NOT EXISTS leases (
     pids TEXT NOT NULL DEFAULT '[]',
     secret_hash TEXT NOT NULL DEFAULT '',
     usage TEXT NOT NULL DEFAULT '',
-    holder TEXT NOT NULL DEFAULT ''
+    holder TEXT NOT NULL DEFAULT '',
+    preempting TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle');
 CREATE INDEX IF NOT EXISTS leases_user ON leases(user, created_at);
@@ -70,12 +72,6 @@ CREATE TABLE IF NOT EXISTS drains (
     since REAL NOT NULL,
     pids TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS processes (
-    lease_id TEXT NOT NULL,
-    pid INTEGER NOT NULL,
-    start_ticks INTEGER NOT NULL,
-    PRIMARY KEY (lease_id, pid)
-);
 CREATE TABLE IF NOT EXISTS tokens (
     hash TEXT PRIMARY KEY,
     user TEXT NOT NULL,
@@ -92,12 +88,23 @@ _LIVE = f"SELECT {COLUMNS} FROM leases WHERE state IN {_LIVE_STATES}"
 assert f"WHERE state IN {_LIVE_STATES}" in _SCHEMA, "the live states and the partial index leases_state differ"
 
 
+class Journal(Protocol):
+    """The owner of a store's writes (``GroupCommit``): what it holds is written before a read or a transaction of
+    another writer, and other writers' statements join its open group."""
+
+    def before_read(self) -> None: ...
+
+    def before_transaction(self) -> None: ...
+
+    def joined(self) -> AbstractContextManager[sqlite3.Connection]: ...
+
+
 class StoreError(Unavailable):
     reason = "store_unavailable"
 
 
 #: The tables of the first schema: every store that is not new has all of them.
-_FIRST_TABLES = frozenset({"meta", "leases", "transitions", "drains", "processes", "tokens"})
+_FIRST_TABLES = frozenset({"meta", "leases", "transitions", "drains", "tokens"})
 _TABLE_RE = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+)")
 
 
@@ -157,12 +164,15 @@ class Store:
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "
                 "LeaseBroker.db_path (--db) elsewhere; the broker will not start without its leases."
             ) from e
-        #: called before a transaction of its own starts (the group commit commits what it holds first)
-        self.before_transaction: Callable[[], None] | None = None
-        self.join_group: Callable[[], AbstractContextManager[sqlite3.Connection]] | None = None
-        #: called before lease rows are read (the group commit writes what it holds into its open transaction)
-        self.before_read: Callable[[], None] | None = None
+        #: the group commit that owns this store's writes (``use_journal``), or None (a store only read)
+        self.journal: Journal | None = None
         self._checkpointer: Checkpointer | None = Checkpointer(path) if path != ":memory:" else None
+
+    def use_journal(self, journal: Journal) -> None:
+        """Hand this store's writes to ``journal`` (the group commit); a store has one owner of its writes."""
+        if self.journal is not None and self.journal is not journal:
+            raise RuntimeError("This lease store's writes already have an owner (a group commit)")
+        self.journal = journal
 
     def add_tables(self, script: str) -> None:
         """Run ``script`` (``CREATE TABLE IF NOT EXISTS``): a table this store never had is created (a new store, a
@@ -191,13 +201,13 @@ class Store:
 
     def batched(self) -> AbstractContextManager[sqlite3.Connection]:
         """Statements that may share the open group commit (nothing to undo in memory if it fails): in it when
-        there is one (``GroupCommit`` sets ``join_group``), else in a transaction of their own."""
-        return self.join_group() if self.join_group is not None else self.transaction()
+        there is one (``use_journal``), else in a transaction of their own."""
+        return self.journal.joined() if self.journal is not None else self.transaction()
 
     def reading(self) -> sqlite3.Connection:
         """The connection, for a read of leases, transitions or processes that must see every change so far."""
-        if self.before_read is not None:
-            self.before_read()
+        if self.journal is not None:
+            self.journal.before_read()
         return self.db
 
     def unwritable(self, e: BaseException) -> StoreError:
@@ -225,17 +235,11 @@ class Store:
         with self.transaction() as db:
             self.write_lease(db, lease, at, from_state=from_state)
 
-    def update(self, lease: Lease) -> None:
-        """Persist fields that are not a state change (renewal, attached processes)."""
-        self.transition(lease, None, 0.0)
-
     @staticmethod
     def write_lease(db: sqlite3.Connection, lease: Lease, at: float, *, new: bool = False,
-                    from_state: LeaseState | None = None, row: bool = True,
-                    attach: tuple[int, int] | None = None) -> None:
+                    from_state: LeaseState | None = None, row: bool = True) -> None:
         """The statements of one lease change, inside the caller's transaction (``transaction()``, or the
-        group commit's): the lease's row (``row``), a history row when it is ``new`` or leaves ``from_state``, a
-        process attached to it."""
+        group commit's): the lease's row (``row``), a history row when it is ``new`` or leaves ``from_state``."""
         if new:
             db.execute(INSERT, to_row(lease))
             db.execute(HISTORY, (lease.id, None, lease.state.value, lease.reason, at))
@@ -243,18 +247,15 @@ class Store:
             db.execute(REPLACE, to_row(lease))
             if from_state is not None:
                 db.execute(HISTORY, (lease.id, from_state.value, lease.state.value, lease.reason, at))
-        if attach is not None:
-            db.execute(PROCESS, (lease.id, *attach))
 
     @staticmethod
     def write_leases(db: sqlite3.Connection, new: Iterable[Lease], changed: Iterable[Lease],
-                     history: list[tuple[str, str | None, str, str, float]],
-                     processes: list[tuple[str, int, int]]) -> None:
+                     history: list[tuple[str, str | None, str, str, float]]) -> None:
         """Many lease changes at once (the group commit's), inside the caller's transaction: the rows of ``new``
         leases (an id already stored fails the statement: never an overwrite) and of ``changed`` ones, as they
-        are now; the history rows in order; the processes attached."""
+        are now; the history rows in order."""
         for sql, rows in ((INSERT, [to_row(lease) for lease in new]), (REPLACE, [to_row(lease) for lease in changed]),
-                          (HISTORY, history), (PROCESS, processes)):
+                          (HISTORY, history)):
             if rows:
                 db.executemany(sql, rows)
 
@@ -297,33 +298,14 @@ class Store:
         )
         return [{"from": r[0], "to": r[1], "reason": r[2], "at": r[3]} for r in rows]
 
-    def count(self) -> int:
-        return int(self.reading().execute("SELECT COUNT(*) FROM leases").fetchone()[0])
-
-    # --- processes ---------------------------------------------------------------------------
-    def attach(self, lease_id: str, pid: int, start_ticks: int) -> None:
-        with self.transaction() as db:
-            db.execute("REPLACE INTO processes VALUES (?,?,?)", (lease_id, pid, start_ticks))
-
-    def processes(self) -> dict[str, dict[int, int]]:
-        out: dict[str, dict[int, int]] = {}
-        for lease_id, pid, ticks in self.reading().execute("SELECT lease_id, pid, start_ticks FROM processes"):
-            out.setdefault(lease_id, {})[pid] = ticks
-        return out
-
-    def detach_all(self, lease_id: str) -> None:
-        with self.transaction() as db:
-            db.execute("DELETE FROM processes WHERE lease_id=?", (lease_id,))
-
-    # --- drains ------------------------------------------------------------------------------
     def drain(self, gpu_ids: list[str], lease_id: str, pids: list[int], since: float) -> None:
-        with self.transaction() as db:
+        with self.batched() as db:
             db.executemany(
                 "REPLACE INTO drains VALUES (?,?,?,?)", [(g, lease_id, since, json.dumps(pids)) for g in gpu_ids]
             )
 
     def drained(self, gpu_id: str) -> None:
-        with self.transaction() as db:
+        with self.batched() as db:
             db.execute("DELETE FROM drains WHERE gpu_id=?", (gpu_id,))
 
     def drains(self) -> dict[str, tuple[str, float, list[int]]]:
@@ -346,8 +328,8 @@ class Store:
             return db.execute("DELETE FROM tokens WHERE user=?", (user,)).rowcount
 
     def close(self) -> None:
-        if self.before_transaction is not None:  # what a group commit holds is stored before closing
-            self.before_transaction()
+        if self.journal is not None:  # what a group commit holds is stored before closing
+            self.journal.before_transaction()
         if self._checkpointer is not None:
             self._checkpointer.stop()
         self.db.close()
@@ -359,8 +341,8 @@ class _Tx:
         self.db = store.db
 
     def __enter__(self) -> sqlite3.Connection:
-        if self.store.before_transaction is not None:
-            self.store.before_transaction()
+        if self.store.journal is not None:
+            self.store.journal.before_transaction()
         with self.store.unwritable_as_store_error():
             self.db.execute("BEGIN IMMEDIATE")
         return self.db
@@ -378,8 +360,3 @@ class _Tx:
             self.db.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
             raise self.store.unwritable(exc) from exc
-
-
-def iter_rows(store: Store) -> Iterator[Lease]:
-    for r in store.reading().execute(f"SELECT {COLUMNS} FROM leases ORDER BY seq"):
-        yield from_row(r)

@@ -56,7 +56,7 @@ class NotifyStore:
         return list(json.loads(r[0])) if r else None
 
     def set_prefs(self, user: str, events: list[str]) -> None:
-        with self.store.transaction() as db:
+        with self.store.batched() as db:
             db.execute("REPLACE INTO notify_prefs VALUES (?,?)", (user, json.dumps(events)))
 
     def enqueue(self, rows: list[tuple[str, str, str, str, dict[str, Any]]], at: float) -> int:

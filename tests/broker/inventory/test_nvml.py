@@ -43,7 +43,7 @@ def test_devices_come_from_nvml(inv: NVMLInventory, fake: FakeNvml, caplog: pyte
     assert [g.index for g in gpus] == [0, 1, 3]
     assert (gpus[2].name, gpus[2].memory_total) == ("NVIDIA A100-SXM4-40GB", 40 << 30)
     assert not any(g.mig for g in gpus)
-    assert f"GPU {fake.gpus[2].uuid} (index 2, {fake.gpus[2].name}) is in MIG mode without MIG devices" in caplog.text
+    assert fake.gpus[2].uuid in caplog.text and "index 2" in caplog.text and "without MIG devices" in caplog.text
     assert not any(g.simulated for g in gpus) and {g.node for g in gpus} == {"host"}
     assert inv.describe() == {"kind": "nvml", "simulated": False, "driver_version": "550.54.15-fake"}
 
@@ -133,7 +133,7 @@ def test_a_lost_gpu_samples_unhealthy(inv: NVMLInventory, fake: FakeNvml, caplog
     fake.write()
     s = inv.sample()
     assert not s[gpus[2].id].healthy and s[gpus[0].id].healthy
-    assert f"GPU {gpus[2].id} (index 2) lost: GPU is lost" in caplog.text
+    assert any(gpus[2].id in line and "index 2" in line and "lost" in line for line in caplog.text.splitlines())
 
 
 def test_no_driver_names_the_fix(fake: FakeNvml) -> None:

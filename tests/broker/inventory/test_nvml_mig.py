@@ -119,10 +119,10 @@ def test_a_broker_leases_mig_devices_one_each(broker_factory, state: FakeNvml) -
     # a request for two GPUs gets the two whole ones only: never MIG devices
     with pytest.raises(BrokerError) as e:
         c.request_lease(2, heartbeat=False)
-    assert e.value.status == 400 and "at most 1 match on one node" in e.value.message
+    assert e.value.status == 400 and "at most 1" in e.value.message and "one node" in e.value.message
     with pytest.raises(BrokerError) as e:
         c.request_lease(2, heartbeat=False, gpu_type="MIG")
-    assert "CUDA shows a process only one MIG device; ask for 1" in e.value.message
+    assert "one MIG device" in e.value.message and "ask for 1" in e.value.message
 
 
 def test_a_mig_device_drains_and_is_handed_on_alone(broker_factory, state: FakeNvml, tmp_path: Path) -> None:

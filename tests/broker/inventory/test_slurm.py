@@ -328,12 +328,13 @@ def test_revoke_kills_the_step(kernel: Any, client: BrokerClient, cluster: Local
 
 def test_interrupt_reaches_the_cell_in_the_step(kernel: Any, client: BrokerClient, cluster: LocalSlurmCluster) -> None:
     msg_id = kernel.submit(
-        "%%gpu --grace 3s\nimport os, time\nprint('worker', os.getpid(), flush=True)\nwhile True:\n    time.sleep(0.05)")
-    partial = kernel.collect(msg_id, timeout=60, until=lambda outs: any(
-        "worker " in o["content"].get("text", "") for o in outs))
+        "%%gpu --grace 3s\nimport os, time\nprint('worker', os.getpid(), flush=True)\nn = 0\n"
+        "while True:\n    time.sleep(0.05)\n    n += 1\n    if n == 3:\n        print('in the loop', flush=True)")
+    # once it says so, the cell is in its loop: an interrupt lands in the sleep
+    partial = kernel.collect(msg_id, timeout=60, until=lambda outs: "in the loop" in "".join(
+        o["content"].get("text", "") for o in outs))
     pid = int(partial.stdout.split("worker ")[1].split()[0])
     lease = next(v for v in client.leases() if v["state"] not in ENDED)
-    time.sleep(0.3)  # well inside the loop
     kernel.km.interrupt_kernel()
     r = kernel.collect(msg_id, timeout=60)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"

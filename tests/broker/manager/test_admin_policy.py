@@ -89,7 +89,7 @@ def test_fair_share_orders_light_user_first_and_survives_restart(tmp_path):
     # a restart: the usage comes back from the store's history
     m2 = LeaseManager(Store(db), SimulatedInventory(gpus=1), m.policy, clock=clock)
     m2.restore()
-    assert m2.usage.fairshare(clock.now())["alice"] == pytest.approx(HOUR)
+    assert m2.accounting.fairshare(clock.now())["alice"] == pytest.approx(HOUR)
     blocker, _ = m2.request(CAROL, {"gpus": 1})
     qa, _ = m2.request(ALICE, {"gpus": 1})  # alice arrives first but used an hour
     qb, _ = m2.request(BOB, {"gpus": 1})
@@ -118,9 +118,9 @@ def test_fair_share_decays():
     a, _ = m.request(ALICE, {"gpus": 1})
     clock.advance(HOUR)
     m.release(a.id, ALICE)
-    u0 = m.usage.fairshare(clock.now())["alice"]
+    u0 = m.accounting.fairshare(clock.now())["alice"]
     clock.advance(HOUR)
-    assert m.usage.fairshare(clock.now())["alice"] == pytest.approx(u0 / 2, rel=1e-6)
+    assert m.accounting.fairshare(clock.now())["alice"] == pytest.approx(u0 / 2, rel=1e-6)
 
 
 def test_priority_beats_fair_share():
@@ -498,11 +498,11 @@ def test_usage_report():
     b, _ = m.request(BOB, {"gpus": 1})
     clock.advance(HOUR / 2)
     m.revoke(b.id, ADMIN, "maintenance")
-    rows = {r["user"]: r for r in m.usage.report(ADMIN, clock.now() - 7 * 86400, clock.now())}
+    rows = {r["user"]: r for r in m.accounting.report(ADMIN, clock.now() - 7 * 86400, clock.now())}
     assert rows["alice"]["gpu_hours_held"] == pytest.approx(2.0)
     assert rows["alice"]["gpu_hours_busy"] == pytest.approx(2.0)
     assert rows["bob"]["gpu_hours_held"] == pytest.approx(0.5) and rows["bob"]["revocations"] == 1
-    assert [r["user"] for r in m.usage.report(BOB, 0, clock.now())] == ["bob"]
+    assert [r["user"] for r in m.accounting.report(BOB, 0, clock.now())] == ["bob"]
 
 
 # ------------------------------------------------------------------ the pure scheduler's new inputs

@@ -7,11 +7,11 @@ import asyncio
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from lease_broker.core.clock import VirtualClock
 from lease_broker.core.errors import BadRequest
@@ -115,6 +115,7 @@ def test_a_restart_keeps_a_live_holders_leases_and_ends_a_gone_ones(tmp_path: Pa
 def test_one_watch_per_holder_process_ends_its_leases_at_its_exit_and_closes_with_its_last_lease(child):
     async def run() -> None:
         m = make(gpus=2)
+        m.driver.attach(asyncio.get_running_loop())  # driven by this loop, as the service drives the broker
         who = as_caller(child)
         a, _ = m.request(who, {"gpus": 1, "ends_with_caller": True})
         b, _ = m.request(who, {"gpus": 1, "ends_with_caller": True})
@@ -135,9 +136,7 @@ def test_one_watch_per_holder_process_ends_its_leases_at_its_exit_and_closes_wit
         m.tick()
         assert c.state.holding
         child.kill()
-        deadline = time.monotonic() + 1.0
-        while not (c.state.terminal and d.state.terminal) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: c.state.terminal and d.state.terminal, 5, "both leases to end with their holder")
         assert (c.state, c.reason, d.state, d.reason) == (LeaseState.REVOKED, "holder_exited",
                                                           LeaseState.CANCELLED, "holder_exited")
         await m.settled()

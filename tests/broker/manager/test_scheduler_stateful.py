@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from store_helpers import iter_rows
 
 from lease_broker.core.clock import VirtualClock
 from lease_broker.core.errors import LeaseError
@@ -28,7 +29,7 @@ from lease_broker.core.scheduler import schedule
 from lease_broker.inventory.simulated import SimulatedInventory
 from lease_broker.manager.manager import LeaseManager
 from lease_broker.policy.lease_policy import LeasePolicy
-from lease_broker.store.lease_store import Store, iter_rows
+from lease_broker.store.lease_store import Store
 
 USERS = [Identity(f"u{i}", uid=2000 + i) for i in range(4)]
 ADMIN = Identity("root", uid=0, admin=True)

@@ -161,7 +161,8 @@ def test_cli_bad_trace_exits_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jupyter_gpulease.cli", "replay", str(p)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert f"{p}:2: num_gpus='x' is not a number" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"{p}:2" in proc.stderr and "num_gpus='x'" in proc.stderr and "not a number" in proc.stderr
+    assert "Traceback" not in proc.stderr
     big = write(tmp_path, "big.csv", "session_id,start_s,duration_s,num_gpus\ns,0,10,32\n")
     assert replay_main([str(big), "--cluster", "2x8"]) == 2
 
@@ -250,7 +251,8 @@ def test_missing_file_and_bad_policy_exit_2(tmp_path, capsys):
     bursts = write(tmp_path, "b.csv", "start_s,duration_s,num_gpus\n0,10,1\n")
     cfg = write(tmp_path, "pol.py", "c.LeasePolicy.max_idle_timeout_seconds = -1\n")
     assert replay_main([str(bursts), "--config", str(cfg)]) == 2
-    assert "pol.py: invalid policy: LeasePolicy.max_idle_timeout_seconds=-1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pol.py" in err and "invalid policy" in err and "LeasePolicy.max_idle_timeout_seconds=-1" in err
 
 
 def _no_gpu_held_twice(run):
@@ -294,10 +296,10 @@ def test_report_has_queue_depth_over_time_and_cost_per_event(tmp_path):
     assert s["queue_depth"]["p50"] == 1 and s["queue_depth"]["p95"] == 2  # weighted by virtual time
     cost = s["pass_ms_per_event"]
     assert cost["n"] >= 3 and 0 < cost["p50"] <= cost["p99"] <= cost["max"]
-    assert "3 burst(s) have no session_id: each is replayed as its own session" in s["notes"]
+    assert any("3 burst(s)" in n and "no session_id" in n for n in s["notes"]), s["notes"]
     base = summarize(replay(trace, Cluster(1, 1), mode="session"))
     text = describe([s], base)
-    assert "queue depth max 2, p95 2 (over time)" in text and "scheduling cost per event p50" in text
+    assert "queue depth max 2" in text and "p95 2" in text and "scheduling cost per event" in text
     assert text.count("have no session_id") == 1  # the same note once, not per run
 
 
@@ -323,8 +325,8 @@ def _on_a_terminal(args: list[str]) -> str:
 def test_progress_on_a_terminal_and_none_with_json(tmp_path):
     bursts = generate(tmp_path / "jobs.csv", jobs=200, days=1)
     shown = _on_a_terminal([str(bursts)])
-    assert "\rgpulease replay: lease run, 100.0% of 200 bursts" in shown
-    assert "\rgpulease replay: session run, 100.0% of 200 sessions" in shown
+    assert "\rgpulease replay: lease run" in shown and "100.0% of 200 bursts" in shown  # a line redrawn in place
+    assert "\rgpulease replay: session run" in shown and "100.0% of 200 sessions" in shown
     assert "queue depth max" in shown
     quiet = _on_a_terminal([str(bursts), "--json"])
     assert "% of" not in quiet
@@ -459,5 +461,5 @@ def test_replay_cli_reports_the_estimates(tmp_path, capsys):
     bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,100,1\nb,50,10,1\n")
     assert replay_main([str(bursts), "--cluster", "1x1", "--limits", "default", "--baseline", "none"]) == 0
     out = capsys.readouterr().out
-    assert "limits default: start estimates of the 1 requests that queued:" in out
-    assert "the time-limit plan of the same run: 0% within 2x" in out  # 1 h against a 650 s wait
+    assert "start estimates" in out and "1 requests that queued" in out
+    assert "time-limit plan" in out and "0% within 2x" in out  # 1 h against a 650 s wait

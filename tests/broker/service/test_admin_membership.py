@@ -9,11 +9,10 @@ import signal
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from users import as_user, second_user  # noqa: F401  (fixture)
+from users import as_user, second_user, unix_group  # noqa: F401  (fixture)
 from waiting import wait_for
 
 from jupyter_gpulease.client import BrokerClient
@@ -24,13 +23,8 @@ pytestmark = pytest.mark.attack  # each test is an attack that must fail (BENCHM
 @pytest.fixture
 def admin_group(second_user) -> Iterator[str]:  # noqa: F811
     """A new Unix group with the second user in it (removed again afterwards)."""
-    name = "gl-adm-" + uuid.uuid4().hex[:8]
-    subprocess.run(["groupadd", name], check=True)
-    subprocess.run(["gpasswd", "-a", second_user.pw_name, name], check=True, capture_output=True)
-    try:
+    with unix_group("gl-adm-", second_user) as name:
         yield name
-    finally:
-        subprocess.run(["groupdel", name], check=False)
 
 
 def _socket() -> str:

@@ -60,7 +60,7 @@ def test_long_poll_wait_returns_at_grant(broker_factory):
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
         fut = pool.submit(lambda: broker.client().request_lease(1, wait=20, heartbeat=False))
-        time.sleep(0.3)
+        wait_for(lambda: c.queue(), 10, "the request to queue")
         c.release(first["id"])
         lease = fut.result(10)
     assert lease["state"] == "granted"
@@ -94,7 +94,7 @@ def test_heartbeat_loss_revokes(broker_factory):
     broker = broker_factory(gpus=1, args=["--tick=0.1", "--heartbeat-timeout=1"])
     c = broker.client()
     lease = c.request_lease(1)
-    for _ in range(3):
+    for _ in range(3):  # the scenario is time passing: beats 0.4 s apart keep it past its 1 s timeout
         time.sleep(0.4)
         c.heartbeat(lease["id"])
     assert c.lease(lease["id"])["state"] in ("granted", "active", "idle")

@@ -237,7 +237,7 @@ def test_locked_store_gives_503_with_the_fix_and_loses_nothing(broker_factory) -
         with pytest.raises(BrokerError) as e:
             c.request_lease(1, heartbeat=False)
         assert e.value.status == 503 and e.value.reason == "store_unavailable"
-        assert "stop the other process that locks it" in e.value.message
+        assert "other process" in e.value.message
         with pytest.raises(BrokerError) as e:
             c.release(first["id"])
         assert e.value.status == 503
@@ -323,7 +323,7 @@ def _answer(s: socket.socket) -> bytes:
 
 
 def test_a_body_sent_slowly_within_the_deadline_is_served(broker_factory) -> None:
-    """The body deadline (``api.http_server``: one sweep, no timer per request) cuts off only bodies that are
+    """The body deadline (tornado's ``body_timeout``, ``LeaseBroker.request_timeout``) cuts off only bodies that are
     overdue: one that comes in pieces, or chunked, within ``request_timeout`` is answered, and the keep-alive
     connection serves the next request, however long it then stays idle."""
     b = broker_factory(gpus=2, args=["--tick=0.1", "--LeaseBroker.request_timeout=2"], name="slowbody")

@@ -236,7 +236,7 @@ def test_admin_scope_reaches_the_admin_through_her_server(hub_broker) -> None:
 def test_a_hub_admin_revokes_another_users_lease_from_the_sidebar(hub_broker) -> None:
     """carol logs in through the Hub in a real Chromium, opens her JupyterLab at /user/carol/lab behind the Hub's
     proxy, and revokes bob's lease from the sidebar's admin list (her server's token carries the admin scope)."""
-    from browser_support import CHROMIUM, WAIT_MS, screenshot
+    from browser_support import CHROMIUM, WAIT_MS, screenshot, show_panel
     from playwright.sync_api import expect, sync_playwright
 
     hub, broker = hub_broker
@@ -255,7 +255,7 @@ def test_a_hub_admin_revokes_another_users_lease_from_the_sidebar(hub_broker) ->
             page.click("#login_submit")
             page.wait_for_url(f"{hub.url}/user/carol/lab**")
             page.wait_for_selector("#jupyterlab-splash", state="detached")
-            page.click('.jp-SideBar.jp-mod-left li[data-id="gpulease-panel"]')
+            show_panel(page)
             row = page.locator(f'#gpulease-panel [data-section="all-leases"] [data-lease-id="{lease.id}"]')
             expect(row).to_contain_text(f"bob: {lease.id}")
             screenshot(page, "hub-admin-sidebar.png")
@@ -311,7 +311,7 @@ def test_mail_goes_to_the_address_the_hub_keeps(hub_broker, mailbox: SmtpReceive
     wait_for(lambda: [m for to, m in mailbox.mails if to == ["bob@example.org"]], timeout=30,
              what="the mail to bob's Hub address")
     (mail,) = [m for to, m in mailbox.mails if to == ["bob@example.org"]]
-    assert mail["Subject"] == f"GPU lease {lease.id} revoked" and "maintenance" in mail.get_payload()
+    assert lease.id in mail["Subject"] and "revoked" in mail["Subject"] and "maintenance" in mail.get_payload()
     assert BROKER_SERVICE_TOKEN not in broker.log_path.read_text()
 
 

@@ -37,7 +37,7 @@ from gpulease_protocol import address
 from gpulease_protocol.address import UntrustedSocket
 from jupyter_gpulease.cli.main import main as gpulease_cli
 from jupyter_gpulease.client import BrokerClient, BrokerError
-from jupyter_gpulease.serverext.relay import connect_events
+from jupyter_gpulease.serverext.relay import BrokerRelay, connect_events
 from lease_broker.service import StartupError, bind_unix
 
 pytestmark = pytest.mark.attack  # each test is an attack that must fail (BENCHMARKS.md: Reliability)
@@ -209,6 +209,11 @@ def test_a_socket_in_a_directory_others_can_write_is_refused(tmp_path: Path, mod
             BrokerClient(f"unix://{d}/b.sock", token=TOKEN).info()
         assert e.value.reason == "untrusted_socket"
         assert str(d) in e.value.message and f"{mode:o}" in e.value.message
+        async def proxied() -> None:  # the server extension's proxy refuses it too
+            await BrokerRelay(f"unix://{d}/b.sock", 5.0).fetch("GET", "/api/v1/info", None)
+
+        with pytest.raises(UntrustedSocket):
+            asyncio.run(proxied())
         assert fake.received() == []
     finally:
         fake.stop()
@@ -299,6 +304,15 @@ def test_no_token_over_the_socket_unless_the_broker_asks(tmp_path: Path, monkeyp
                 ws.close()
 
         assert asyncio.run(first_event())["type"] == "hello"
+
+        async def proxied_info() -> dict:  # the server extension's proxy: the same challenge, the same answer
+            relay = BrokerRelay(hub.url, 5.0)
+            try:
+                return dict(json.loads((await relay.fetch("GET", "/api/v1/info", None)).body))
+            finally:
+                relay.close()
+
+        assert "carol" in asyncio.run(proxied_info())["user"]["name"]
         monkeypatch.delenv("GPULEASE_TOKEN")
         monkeypatch.delenv("JUPYTERHUB_API_TOKEN", raising=False)
         with pytest.raises(BrokerError) as none:

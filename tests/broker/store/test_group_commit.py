@@ -1,7 +1,8 @@
 """Group commit: the writes of one event-loop iteration share one transaction, nothing leaves before it commits,
 and a failed commit leaves the broker as if the iteration's changes never happened.
 
-A real LeaseManager on a real SQLite file, driven inside a running asyncio loop (as the broker runs it); a second
+A real LeaseManager on a real SQLite file, driven by a running asyncio loop (``Driver.attach``, as the service
+does); a second
 connection reads the file to see what is durable. The failing commit is a real SQLite one: a deferred foreign
 key, checked only at COMMIT, broken by a trigger for the user named ``poison``.
 """
@@ -13,6 +14,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from lease_broker.core.identity import Identity
 from lease_broker.core.lease import LeaseState
@@ -51,6 +53,7 @@ def test_one_iteration_is_one_transaction_and_answers_wait_for_it(tmp_path: Path
     m = make(tmp_path, gpus=2)
 
     async def scenario() -> None:
+        m.driver.attach(asyncio.get_running_loop())  # driven by this loop, as the service drives the broker
         groups = m.group.groups
         leases = [m.request(who, {"gpus": 1})[0] for who in (ALICE, BOB, ALICE)]
         assert durable_ids(tmp_path) == set()  # written, not committed: nothing has left yet
@@ -81,6 +84,7 @@ def test_a_failed_commit_undoes_the_whole_iteration_and_fails_its_answers(tmp_pa
     m.store.db.executescript(POISON_AT_COMMIT)
 
     async def scenario() -> None:
+        m.driver.attach(asyncio.get_running_loop())  # driven by this loop, as the service drives the broker
         kept, _ = m.request(BOB, {"gpus": 1})
         await m.settled()
         assert kept.state == LeaseState.GRANTED
@@ -97,8 +101,7 @@ def test_a_failed_commit_undoes_the_whole_iteration_and_fails_its_answers(tmp_pa
         assert set(m.leases) == {kept.id} and kept.state == LeaseState.GRANTED
         assert a.id not in m.state.queue and p.id not in m.state.queue and not len(m.state.queue)
         assert {g["id"]: g["state"] for g in m.gpu_views(ALICE)} == before
-        await asyncio.sleep(0.2)  # the GPU summary's throttle (GPU_EVENT_INTERVAL)
-        later = list(m.events.backlog)[events:]
+        later = await wait_until(lambda: list(m.events.backlog)[events:], 5, "the GPU summary (throttled)")
         assert not [e for e in later if e["type"] == "lease"]  # no event for what was not stored
         assert later and all(e["summary"]["free"] == 1 and e["summary"]["queued"] == 0 for e in later)
         assert durable_ids(tmp_path) == {kept.id}
@@ -117,11 +120,12 @@ def test_a_failed_commit_undoes_the_whole_iteration_and_fails_its_answers(tmp_pa
 
 
 def test_a_write_of_its_own_commits_the_open_group_first(tmp_path: Path) -> None:
-    """Tokens, drains, reservations and the policy audit keep their own transaction: an open group commits
-    before one starts, so each keeps its all-or-nothing answer."""
+    """A write with a transaction of its own (tokens, written by the `lease-broker token` command): an open group
+    commits before one starts, so each keeps its all-or-nothing answer."""
     m = make(tmp_path)
 
     async def scenario() -> None:
+        m.driver.attach(asyncio.get_running_loop())  # driven by this loop, as the service drives the broker
         lease, _ = m.request(ALICE, {"gpus": 1})
         assert m.group.open and durable_ids(tmp_path) == set()
         m.store.add_token("h" * 64, "alice", False, 1.0)
@@ -138,4 +142,21 @@ def test_without_an_event_loop_every_write_commits_at_once(tmp_path: Path) -> No
     lease, _ = m.request(ALICE, {"gpus": 1})
     assert lease.state == LeaseState.GRANTED and not m.group.open
     assert durable_ids(tmp_path) == {lease.id}
+    m.store.close()
+
+
+def test_without_a_loop_each_write_is_a_group_of_its_own_through_the_same_path(tmp_path: Path) -> None:
+    """The replay and the unit tests attach no loop: the same group commit stores each write at once, and a failed
+    one raises to its writer with memory put back, as a failed iteration does under a loop."""
+    m = make(tmp_path, gpus=1)
+    m.store.db.executescript(POISON_AT_COMMIT)
+    groups = m.group.groups
+    kept, _ = m.request(ALICE, {"gpus": 1})
+    assert kept.state == LeaseState.GRANTED and durable_ids(tmp_path) == {kept.id}
+    assert m.group.groups >= groups + 2 and not m.group.open  # the request and its grant: one group each
+    m.reserve(Identity("root", uid=0, admin=True), {"user": "alice", "gpus": 1, "start": m.clock.now() + 3600, "duration_seconds": 60})  # a group too
+    assert not m.group.open
+    with pytest.raises(StoreError):
+        m.request(POISON, {"gpus": 1})
+    assert set(m.leases) == {kept.id} and not len(m.state.queue) and durable_ids(tmp_path) == {kept.id}
     m.store.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lease_broker.core.lease import Lease, LeaseRequest, LeaseState
+from lease_broker.core.lease import Lease, LeaseRequest, LeaseState, Preempting
 from lease_broker.inventory.simulated import _NAMESPACE, SimulatedInventory, gpu_uuid
 from lease_broker.store import lease_store as store_module
 from lease_broker.store.admin_store import AdminStore
@@ -27,7 +27,7 @@ def _fill(db: str, n: int) -> list[Lease]:
         store.insert(lease, lease.created_at)
         if i % 2:  # half of them granted, with devices and attached processes
             lease.state, lease.reason, lease.devices, lease.node = LeaseState.GRANTED, "granted", [gpus[i].id], "n"
-            lease.pids = [100 + i]
+            lease.processes = {100 + i: 5000 + i}
             store.transition(lease, LeaseState.QUEUED, 2.0 + i)
         out.append(lease)
     store.close()
@@ -39,7 +39,7 @@ def test_live_returns_every_lease_as_written(tmp_path: Path) -> None:
     got = Store(str(tmp_path / "s.db")).live()
     assert [x.id for x in got] == [x.id for x in written]  # arrival order
     for a, b in zip(got, written, strict=True):
-        assert (a.state, a.devices, a.pids, a.request.labels) == (b.state, b.devices, b.pids, b.request.labels)
+        assert (a.state, a.devices, a.processes, a.request.labels) == (b.state, b.devices, b.processes, b.request.labels)
         assert a == b and type(a.state) is LeaseState  # every field
 
 
@@ -72,8 +72,8 @@ def test_a_damaged_row_is_named_not_skipped(tmp_path: Path, damage: str) -> None
     assert "'l-0003'" in e.value.message and "backup" in e.value.message
 
 
-STORE_TABLES = {"meta", "leases", "transitions", "drains", "processes", "tokens"}
-ADMIN_TABLES = {"reservations", "policy_audit", "preemptions", "learned_groups"}
+STORE_TABLES = {"meta", "leases", "transitions", "drains", "tokens"}
+ADMIN_TABLES = {"reservations", "policy_audit", "learned_groups"}
 
 
 def _tables(db: str) -> set[str]:
@@ -129,3 +129,28 @@ def test_simulated_gpu_ids_are_the_uuid5_ids_leases_refer_to() -> None:
     # persisted leases name GPUs by these ids: the fast formatting must give exactly uuid5's
     for name in ("n/0", "sim-node-12/7", "ü/3"):
         assert gpu_uuid(name) == str(uuid.uuid5(_NAMESPACE, name))
+
+
+def test_a_schema_3_store_folds_its_processes_and_preemptions_into_the_leases(tmp_path: Path) -> None:
+    """Schema 4 keeps a lease's processes (with their start ticks) and its preemption warning on the lease row;
+    a schema-3 store's side tables move into those columns and are dropped, nothing lost."""
+    db = str(tmp_path / "v3.db")
+    written = _fill(db, 4)
+    granted = [x for x in written if x.processes]
+    with sqlite3.connect(db) as raw:
+        raw.execute("ALTER TABLE leases DROP COLUMN preempting")
+        raw.execute("CREATE TABLE processes (lease_id TEXT NOT NULL, pid INTEGER NOT NULL, "
+                    "start_ticks INTEGER NOT NULL, PRIMARY KEY (lease_id, pid))")
+        raw.execute("CREATE TABLE preemptions (lease_id TEXT PRIMARY KEY, by_lease TEXT NOT NULL, by_user TEXT NOT "
+                    "NULL, by_class TEXT NOT NULL, warned_at REAL NOT NULL, deadline REAL NOT NULL)")
+        for x in granted:  # a schema-3 row kept bare pids; their start ticks were in the processes table
+            raw.execute("UPDATE leases SET pids=? WHERE id=?", (f"[{next(iter(x.processes))}]", x.id))
+            raw.executemany("INSERT INTO processes VALUES (?,?,?)", [(x.id, p, t) for p, t in x.processes.items()])
+        raw.execute("INSERT INTO preemptions VALUES (?,?,?,?,?,?)", (granted[0].id, "l-9999", "bo", "high", 5.0, 35.0))
+        raw.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+    store = Store(db)
+    live = {x.id: x for x in store.live()}
+    store.close()
+    assert {x.id: x.processes for x in granted} == {x.id: live[x.id].processes for x in granted}
+    assert live[granted[0].id].preempting == Preempting("l-9999", "bo", "high", 5.0, 35.0)
+    assert not {"processes", "preemptions"} & _tables(db)
