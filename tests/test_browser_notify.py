@@ -129,7 +129,7 @@ def test_a_queued_cell_of_another_notebook_is_told_with_a_button_that_opens_it(l
     client.release(held.id)
     told = toast(page, "GPU granted to second.ipynb")
     # until a clock time, "tomorrow" before it when the lease ends after midnight (a run at 23:55)
-    expect(told).to_contain_text(re.compile(r"GPU granted to second\.ipynb, cell In\[\d+\] after \d+ (s|min) in the queue: "
+    expect(told).to_contain_text(re.compile(r"GPU granted to second\.ipynb, cell In\[\d+\] after [\d.]+ (s|min) in the queue: "
                                             r"1 GPU \(.*\), until (tomorrow )?\d\d:\d\d"))
     expect(current_tab(page)).to_contain_text("first.ipynb")  # telling does not take you away
     expect(told).to_be_in_viewport(ratio=1)  # slid in: the screenshot shows it whole

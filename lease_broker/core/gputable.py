@@ -113,33 +113,6 @@ class GpuTable:
         counts["free"] = len(self._static) - sum(counts.values())
         return {k: v for k, v in counts.items() if v}
 
-    def verify(self, leases: Iterable[Lease], gpus: Iterable[GPU]) -> list[str]:
-        """What differs from a table made from these GPUs and live leases (empty when it agrees)."""
-        fresh = GpuTable(gpus, leases)
-        if set(fresh._static) != set(self._static):
-            return [f"GPUs: {sorted(self._static)} != {sorted(fresh._static)} (inventory changed without set_gpus)"]
-        diffs = []
-        for gid, s in fresh.base.by_id.items():
-            if _rounded(s) != _rounded(self.base.by_id[gid]):
-                diffs.append(f"slot {gid}: {self.base.by_id[gid]} != {s}")
-        def users(t: GpuTable) -> dict[str, set[str]]:
-            return {u: set(d) for u, d in t.holding_by_user.items() if d}
-
-        for name, mine, theirs in (("queued", set(self.queued), set(fresh.queued)),
-                                   ("holding", users(self), users(fresh)),
-                                   ("growable", set(self.growable), set(fresh.growable)),
-                                   ("busy", self.busy, fresh.busy),
-                                   ("busy counts", self.n_busy, fresh.n_busy),
-                                   ("idle", self.base.idle_total, fresh.base.idle_total)):
-            if mine != theirs:
-                diffs.append(f"{name}: {mine} != {theirs}")
-        if {k: v for k, v in self.base.idle.items() if v} != {k: v for k, v in fresh.base.idle.items() if v}:
-            diffs.append("idle per node differs")
-        for user in {*self.held_by_user, *fresh.held_by_user}:
-            if abs(self.held_by_user.get(user, 0.0) - fresh.held_by_user.get(user, 0.0)) > 1e-6:
-                diffs.append(f"held_by_user[{user}]: {self.held_by_user.get(user)} != {fresh.held_by_user.get(user)}")
-        return diffs
-
     # ------------------------------------------------------------------ bookkeeping
     def _register(self, lease: Lease) -> list[str]:
         if lease.state == LeaseState.QUEUED:

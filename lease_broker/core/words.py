@@ -7,10 +7,7 @@ the same words and none re-derives them; the slugs stay beside them for scripts.
 
 from __future__ import annotations
 
-from gpulease_protocol.words import clock_text, duration_text, gpus_text, hours_text
-
-__all__ = ["ENDED", "clock_text", "duration_text", "ended_text", "gpus_text", "hours_text"]
-
+from gpulease_protocol.words import duration_text
 
 #: Why a lease ended, by its reason slug: the sentence its view carries as ``reason_text`` (``ended_text``).
 #: ``{idle}``: how long it was idle before it ended; ``{held}``: how long it held its GPUs.

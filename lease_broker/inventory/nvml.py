@@ -36,19 +36,6 @@ from .nvml_calls import common_ancestor, has_nvlink, mig_enabled, p2p_nvlink, pr
 _LOST_NAMES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
 
 
-def nvml_loadable() -> str | None:
-    """Why NVML cannot be used here, or None when its library loads and initialises."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        return str(e)
-    try:
-        pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        pass
-    return None
-
-
 @dataclass
 class _Point:
     """One sample of one device, kept for the activity window."""

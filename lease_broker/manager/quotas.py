@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gpulease_protocol.words import clock_text, duration_text, gpus_text, hours_text
+
 from ..core.errors import BadRequest, Forbidden
 from ..core.gpufit import beyond_caps, constrained, unplaceable
 from ..core.lease import HOLDING, Lease, LeaseRequest
 from ..core.reservation_windows import window_shortfall
-from ..core.words import clock_text, duration_text, gpus_text, hours_text
 from ..policy.lease_policy import LeasePolicy
 from ..policy.limits import DAY
 from ..store.admin_store import AdminStore

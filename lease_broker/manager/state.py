@@ -33,11 +33,6 @@ class LiveState:
         self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}
         self.table.set_gpus(gpus, self.leases.values())
 
-    @property
-    def order(self) -> list[str]:
-        """Queued lease ids in scheduling order (a copy: O(queue))."""
-        return [p.lease_id for p in self.queue]
-
     def holding(self) -> Iterator[Lease]:
         """Live leases that hold GPUs (granted, active or idle), from the GPU table: O(holding), not O(queue)."""
         return (lease for by_user in self.table.holding_by_user.values() for lease in by_user.values())

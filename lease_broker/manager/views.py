@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpulease_protocol.words import clock_text, gpus_text, hours_text
+
 from ..core.estimate import Span, start_text
 from ..core.fractional import held_memory, shared_env
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
-from ..core.words import clock_text, ended_text, gpus_text, hours_text
+from ..core.words import ended_text
 from ..host.procs import mps_running
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy

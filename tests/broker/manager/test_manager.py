@@ -297,7 +297,7 @@ def test_restore_keeps_every_lease_and_queue_order(make, tmp_path):
     m2 = LeaseManager(Store(db), SimulatedInventory(gpus=2), m.policy, clock=clock)
     m2.restore()
     assert {lid for lid, lease in m2.leases.items() if lease.state == LeaseState.GRANTED} == {h.id for h in held}
-    assert m2.state.order == [q.id for q in queued]
+    assert [q.lease_id for q in m2.state.queue] == [q.id for q in queued]
     devs = [d for lease in m2.leases.values() for d in lease.devices]
     assert len(devs) == len(set(devs)) == 2
 

@@ -19,6 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from store_helpers import iter_rows
+from table_checks import table_diffs
 
 from lease_broker.core.clock import VirtualClock
 from lease_broker.core.errors import LeaseError
@@ -228,7 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Every change goes through the manager's commit, which keeps the GPU table in step with the leases."""
         if not hasattr(self, "m"):
             return
-        diffs = self.m.state.table.verify(self.m.leases.values(), self.m.gpus)
+        diffs = table_diffs(self.m.state.table, self.m.leases.values(), self.m.gpus)
         assert not diffs, "GPU table out of step with the leases: " + "; ".join(diffs[:5])
 
     @invariant()
@@ -258,7 +259,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         now = self.clock.now()
         m = self.m
-        head = m.state.order[0] if m.state.order else None
+        head = [q.lease_id for q in m.state.queue][0] if [q.lease_id for q in m.state.queue] else None
         lease = m.leases.get(head) if head else None
         if lease is None or self._blocked_by_own_limits(lease):
             self.head_since = {}
