@@ -369,11 +369,11 @@ class LeaseManager:
         self.commit(lease, Change(state=LeaseState.IDLE, reason="no_activity"))
 
     def activity(self, lease: Lease, now: float) -> None:
-        self.enforcer.resumed(lease, now)  # the pause it came back from; its idle warning no longer holds
+        pauses = self.enforcer.resumed(lease, now)  # the pause it came back from; its idle warning no longer holds
         if lease.state in (LeaseState.GRANTED, LeaseState.IDLE):
-            self.commit(lease, Change(state=LeaseState.ACTIVE, reason="activity", last_activity=now))
+            self.commit(lease, Change(state=LeaseState.ACTIVE, reason="activity", last_activity=now, pauses=pauses))
         else:
-            self.commit(lease, Change(last_activity=now))
+            self.commit(lease, Change(last_activity=now, pauses=pauses))
 
     def used(self, lease: Lease, use: LeaseUse) -> None:
         self.commit(lease, Change(use=use))
