@@ -71,9 +71,8 @@ class LeaseActionHandler(BaseHandler):
 
 class HistoryHandler(BaseHandler):
     async def get(self, lease_id: str) -> None:
-        transitions = self.manager.history(lease_id, self.who)
-        await self.reply({"lease_id": lease_id, "transitions": transitions,
-                          "usage": self.view(self.manager.lookup(lease_id, self.who))["usage"]})
+        lease, transitions = self.manager.history(lease_id, self.who)
+        await self.reply({"lease_id": lease_id, "transitions": transitions, "usage": self.view(lease)["usage"]})
 
 
 def routes(prefix: str) -> Routes:

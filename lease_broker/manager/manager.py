@@ -227,10 +227,9 @@ class LeaseManager:
         self.commit(lease, Change(attach=(pid, info.start_ticks)))
         return lease
 
-    def history(self, lease_id: str, who: Identity) -> list[dict[str, Any]]:
-        """A lease's transitions, for its owner and admins."""
-        self.lookup(lease_id, who)
-        return self.store.history(lease_id)
+    def history(self, lease_id: str, who: Identity) -> tuple[Lease, list[dict[str, Any]]]:
+        """A lease and its transitions, for its owner and admins."""
+        return self.lookup(lease_id, who), self.store.history(lease_id)
 
     # ------------------------------------------------------------------ what else the API asks
     def queue_view(self, who: Identity) -> list[dict[str, Any]]:
@@ -260,17 +259,11 @@ class LeaseManager:
     def reserve(self, who: Identity, body: Any) -> dict[str, Any]:
         """Book an advance reservation; the next pass (soon) honours it."""
         now = self.clock.now()
-        r = self.reservations.create(who, body, now)
-        self.replan()
-        self.reservations.changed(r, "created", now)
-        return self.reservations.view(r, now)
+        return self.reservations.changed(self.reservations.create(who, body, now), "created", now)
 
     def cancel_reservation(self, who: Identity, rid: str) -> dict[str, Any]:
         now = self.clock.now()
-        r = self.reservations.cancel(who, rid, now)
-        self.replan()
-        self.reservations.changed(r, "cancelled", now)
-        return self.reservations.view(r, now)
+        return self.reservations.changed(self.reservations.cancel(who, rid, now), "cancelled", now)
 
     async def wait(self, lease: Lease, timeout: float) -> Lease:
         """Wait until a queued lease is granted or ends, at most ``timeout`` seconds."""

@@ -99,10 +99,14 @@ class Reservations:
         self.live[:] = [x for x in self.live if x.id != rid]
         return r
 
-    def changed(self, r: Reservation, change: str, now: float) -> None:
-        """An event for the sidebar and `gpulease status`: a reservation was created or cancelled."""
-        self.ops.publish("reservation", change=change, reservation=self.view(r, now), user=None)
+    def changed(self, r: Reservation, change: str, now: float) -> dict[str, Any]:
+        """A reservation was created or cancelled: the next pass (soon) is a full one that honours it, and an event
+        tells the sidebar and `gpulease status`; its view is returned."""
+        self.ops.replan()
+        view = self.view(r, now)
+        self.ops.publish("reservation", change=change, reservation=view, user=None)
         self.ops.gpus_changed()
+        return view
 
     def members(self, r: Reservation, users: Iterable[str]) -> frozenset[str]:
         if r.user:
