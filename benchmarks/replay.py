@@ -20,7 +20,8 @@ from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.replay import Cluster, compare, jitter, load_trace, replay, summarize, tile
 from lease_broker.replay.accuracy import accuracy
 from lease_broker.replay.model import Run, Told
-from lease_broker.replay.report import plot, pressure_plot
+from lease_broker.replay.policy import load_policy, policy_copy
+from lease_broker.replay.report import plot, pressure_plot, suspend_plot
 from lease_broker.replay.sim import REGRANT_WINDOW
 from lease_broker.replay.trace import Trace
 
@@ -236,6 +237,148 @@ def contended_month(quick: bool) -> list[Figure]:
     return figures
 
 
+INTERACTIVE_FIRST = Path(__file__).resolve().parent.parent / "examples" / "policies" / "interactive-first.py"
+#: The designs tried for examples/policies/interactive-first.py (overrides of the shipped file), in the trade-off plot
+DESIGNS: list[tuple[str, dict[str, Any]]] = [
+    ("idle sessions suspend too", {"suspend_idle": True}),
+    ("share bound 0.5", {"suspend_max_share": 0.5}),
+    ("share 0.5, idle suspend (first draft)", {"suspend_max_share": 0.5, "suspend_idle": True,
+                                              "suspend_max_seconds": 86400.0}),
+    ("any size <= 30 min may suspend", {"suspend_max_gpus": 0, "suspend_max_duration_seconds": 1800.0}),
+    ("only <= 30 min 1-GPU may suspend", {"suspend_max_duration_seconds": 1800.0}),
+    ("min runtime 1 h", {"suspend_min_runtime_seconds": 3600.0}),
+]
+
+
+def _suspension_ok(s: dict[str, Any]) -> float:
+    """Suspended bursts that did not complete (0 when none was suspended)."""
+    sus = s["suspension"] or {}
+    return float(sus.get("bursts_suspended", 0) - sus.get("bursts_suspended_completed", 0))
+
+
+def interactive_first(trace: Trace, copies: int, quick: bool) -> list[Figure]:
+    """Issue 33's goals: the contended 2x8 cluster with examples/policies/interactive-first.py (preemption by
+    suspension; the replay's holders suspend at the measured cost per GiB) against the default policy in the same run;
+    over ``copies`` jittered copies (medians); on the contended month; and, unless ``quick``, the designs tried
+    (``DESIGNS``) in a trade-off plot (docs/images)."""
+    cluster = Cluster(2, 8)
+    shipped = load_policy(str(INTERACTIVE_FIRST))
+    on, off = (summarize(replay(trace, cluster, pol, mode="lease", idle=600)) for pol in (shipped, LeasePolicy()))
+    t, o, sus = on["time_to_gpu_s"], off["time_to_gpu_s"], on["suspension"]
+    cmd = (f"`{COMMAND.split(' --sweep')[0].format(cluster=cluster)} --idle 10m --config "
+           "examples/policies/interactive-first.py`")
+    base = "the default policy, same run"
+    costs = (f"suspend {sus['suspend_s_per_gib']:g} s and resume {sus['resume_s_per_gib']:g} s per GiB (measured: "
+             f"docs/gpu-checks.md, H100, driver 580), {sus['gib_per_gpu']:g} GiB per GPU")
+    other = (f"{sus['suspensions']} suspensions ({', '.join(f'{k} GPU: {v}' for k, v in sus['by_size'].items())}), "
+             f"{sus['of_running_bursts']} of running bursts, {_pct(sus['running_suspended_share']):.1f} % of the "
+             f"bursts' GPU-time spent suspended; delay of a suspended burst p50 {sus['delay_s']['p50']:.0f} s, max "
+             f"{sus['delay_s']['max']:.0f} s; costs paid {sus['suspend_cost_s']:.0f} s + {sus['resume_cost_s']:.0f} s "
+             f"({costs}); 4-GPU p95 {t['4']['p95']:.0f} s (default {o['4']['p95']:.0f} s); cold re-grants "
+             f"{on['cold_regrants']} (default {off['cold_regrants']})")
+    name = f"{cluster}, idle 10m, interactive-first"
+    figures = [
+        figure(f"time to GPU, 1-GPU cells, p95, {name}", "s", [t["1"]["p95"]], base, [o["1"]["p95"]],
+               bar=("median", "<=", 60.0), note=f"{cmd}: {other}."),
+        figure(f"held-but-idle GPU-time, {name}", "%", [_pct(on["reserved_idle_fraction"])], base,
+               [_pct(off["reserved_idle_fraction"])], bar=("median", "<=", 10.0), note="the same runs."),
+        figure(f"time to GPU, 8-GPU requests, p95, {name}", "s", [t["8"]["p95"]], base, [o["8"]["p95"]],
+               bar=("median", "<=", o["8"]["p95"]), note="the same runs; bar: no worse than the default policy."),
+        figure(f"suspended bursts that did not complete, {name}", "bursts", [_suspension_ok(on)], base, [0.0],
+               bar=("max", "<=", 0.0), note=f"the same runs: {sus['bursts_suspended']} bursts suspended while they "
+                                            "ran, each resumed and ran to its end (the replay fails otherwise)."),
+    ]
+    done, failed = _copies(trace, cluster, shipped, copies)
+    defaults = _jittered(trace, cluster, LeasePolicy(), copies)
+    moved = {"on": [r for _, r in done], "off": [defaults[seed] for seed, _ in done]}
+    how = (f"{copies} copies of the trace, every session moved by its own random offset within ±30 min "
+           f"(lease_broker.replay.jitter, seeds 0..{copies - 1}); one sample per copy; baseline: the default policy "
+           "on the same copies." + (f" {len(failed)} copies failed (a suspended burst never resumed): "
+                                    f"{'; '.join(failed)}." if failed else ""))
+    eight = statistics.median(r["time_to_gpu_s"]["8"]["p95"] for r in moved["off"])
+    for what, unit, get, bar in (
+        ("time to GPU, 1-GPU cells, p95", "s", lambda r: r["time_to_gpu_s"]["1"]["p95"], ("median", "<=", 60.0)),
+        ("held-but-idle GPU-time", "%", lambda r: _pct(r["reserved_idle_fraction"]), ("median", "<=", 10.0)),
+        ("time to GPU, 8-GPU requests, p95", "s", lambda r: r["time_to_gpu_s"]["8"]["p95"], ("median", "<=", eight)),
+        ("time to GPU, 4-GPU requests, p95", "s", lambda r: r["time_to_gpu_s"]["4"]["p95"], None),
+    ):
+        a, b = [get(r) for r in moved["on"]], [get(r) for r in moved["off"]]
+        better = sum(1 for x, y in zip(a, b, strict=True) if x <= y)
+        figures.append(figure(f"{what}, {name}, {copies} jittered copies", unit, a, base, b, bar=bar,
+                              note=f"{how} No worse than the default in {better} of {len(a)} copies."))
+    figures.append(figure(f"suspended bursts that did not complete, {name}, {copies} jittered copies", "bursts",
+                          [_suspension_ok(r) for r in moved["on"]] + [1.0] * len(failed), base, [0.0] * copies,
+                          bar=("max", "<=", 0.0), note="the same copies (a failed copy counts 1)."))
+    figures += _interactive_month(shipped, quick)
+    if not quick:
+        points = [("default policy", statistics.median(r["time_to_gpu_s"]["1"]["p95"] for r in moved["off"]), eight),
+                  ("interactive-first (shipped)", figures[4]["median"], figures[6]["median"])]
+        tried = []
+        for label, conf in DESIGNS:
+            pairs, failed = _copies(trace, cluster, policy_copy(shipped, **conf), copies)
+            runs = [r for _, r in pairs]
+            if not runs:
+                tried.append(f"{label}: every copy failed ({failed[0]})")
+                continue
+            p1, p8 = (statistics.median(r["time_to_gpu_s"][k]["p95"] for r in runs) for k in ("1", "8"))
+            lost = sum(_suspension_ok(r) for r in runs) + len(failed)
+            points.append((label, p1, p8))
+            tried.append(f"{label} ({', '.join(f'{k} = {v!r}' for k, v in conf.items())}): 1-GPU {p1:.0f} s, 8-GPU "
+                         f"{p8:.0f} s, held-but-idle {statistics.median(_pct(r['reserved_idle_fraction']) for r in runs):.1f} %"
+                         + (f", {lost:.0f} suspended bursts did not complete (a suspended lease ended: "
+                            f"suspend_max_seconds)" if lost else ""))
+        drawn = suspend_plot(points, str(IMAGES / f"replay-interactive-first-{cluster}.png"),
+                             f"Preemption by suspension, {cluster}, notebook trace, medians of {copies} jittered copies")
+        figures[4]["note"] += (" Designs tried (the shipped file with one change each; medians of the p95s over the "
+                               "same copies): " + "; ".join(tried) + ".")
+        if drawn:
+            figures[4]["note"] += f" Trade-off plot: docs/images/{Path(drawn).name}."
+    return figures
+
+
+def _copies(trace: Trace, cluster: Cluster, policy: LeasePolicy, copies: int) -> tuple[
+        list[tuple[int, dict[str, Any]]], list[str]]:
+    """``_jittered``, but a copy in which a suspended burst never resumes (its replay fails) is left out and said."""
+    done, failed = [], []
+    for seed in range(copies):
+        try:
+            done.append((seed, summarize(replay(jitter(trace, seed), cluster, policy, mode="lease", idle=600))))
+        except RuntimeError as e:
+            failed.append(f"copy {seed}: {e}")
+    return done, failed
+
+
+def _interactive_month(shipped: LeasePolicy, quick: bool) -> list[Figure]:
+    """The interactive-first policy on the contended month (``contended_month``'s trace: load 0.9 of 2x8, one burst
+    per job) against the default policy, same run."""
+    cluster = Cluster(2, 8)
+    jobs, days = (300, 3.0) if quick else (3000, 30.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = load_trace(generate(Path(tmp) / "month.csv", jobs=jobs, days=days, gpus_total=cluster.total,
+                                    load=0.9))
+    on, off = (summarize(replay(trace, cluster, pol, mode="lease", idle=600)) for pol in (shipped, LeasePolicy()))
+    t, o, sus = on["time_to_gpu_s"], off["time_to_gpu_s"], on["suspension"]
+    cmd = (f"python -m benchmarks.overload_trace month.csv --jobs {jobs} --days {days:g} --gpus {cluster.total} "
+           f"--load 0.9 && gpulease replay month.csv --cluster {cluster} --idle 10m --config "
+           "examples/policies/interactive-first.py")
+    name = f"contended month (load 0.9, {cluster}), interactive-first"
+    base = "the default policy, same run"
+    return [
+        figure(f"{name}: time to GPU, 1-GPU jobs, p95", "s", [t["1"]["p95"]], base, [o["1"]["p95"]],
+               bar=("median", "<=", 60.0),
+               note=f"`{cmd}`: {sus['suspensions']} suspensions ({sus['of_running_bursts']} of running jobs), "
+                    f"{_pct(sus['running_suspended_share']):.1f} % of the jobs' GPU-time spent suspended; 4-GPU p95 "
+                    f"{t['4']['p95']:.0f} s (default {o['4']['p95']:.0f} s). Every job is one burst of its own user "
+                    "with heavy-tailed durations: a 1-GPU job's time limit is often over suspend_max_duration_seconds."),
+        figure(f"{name}: held-but-idle GPU-time", "%", [_pct(on["reserved_idle_fraction"])], base,
+               [_pct(off["reserved_idle_fraction"])], bar=("median", "<=", 10.0), note="the same runs."),
+        figure(f"{name}: time to GPU, 8-GPU jobs, p95", "s", [t["8"]["p95"]], base, [o["8"]["p95"]],
+               bar=("median", "<=", o["8"]["p95"]), note="the same runs; bar: no worse than the default policy."),
+        figure(f"{name}: suspended jobs that did not complete", "jobs", [_suspension_ok(on)], base, [0.0],
+               bar=("max", "<=", 0.0), note="the same runs."),
+    ]
+
+
 def _unwidened(told: list[Told]) -> list[Told]:
     """What each request would have been told without ``WIDEN``: the walk's own range (``calibrated`` divides the
     low wait and multiplies the high one, so this undoes it exactly)."""
@@ -357,6 +500,7 @@ def run(opts: Any) -> list[Figure]:
                                  [(3600.0, PRESSURE), (43200.0, PRESSURE), (172800.0, PRESSURE), (172800.0, 30.0)],
                                  4 if quick else 16)
     figures += estimates(trace, 4 if quick else 16)
+    figures += interactive_first(trace, 4 if quick else 16, quick)
     figures += contended_month(quick)
     reps = 1 if quick else 3
     walls, base_walls = [], []

@@ -207,6 +207,21 @@ class BrokerClient:
     def revoke(self, lease_id: str, reason: str) -> LeaseView:
         return self._action(lease_id, "revoke", {"reason": reason})
 
+    def suspended(self, lease_id: str, ok: bool, how: str = "", host_bytes: int = 0, why: str = "") -> LeaseView:
+        """Report the lease's processes suspended (``ok``: ``how`` "checkpoint" or "stop", ``host_bytes`` of GPU
+        state now in host memory; the broker frees its GPUs), or that they could not be (``why``: the broker then
+        does what it would have done without suspension, e.g. revokes it)."""
+        body: dict[str, Any] = {"ok": True, "how": how, "host_bytes": int(host_bytes)} if ok else {"ok": False,
+                                                                                                   "why": why}
+        return self._action(lease_id, "suspended", body)
+
+    def resume(self, lease_id: str, wait_seconds: float = 0.0) -> LeaseView:
+        """Ask for a suspended lease's GPUs back; waits up to ``wait_seconds`` for the grant (the view: granted with
+        its new ``devices``, or still suspended). A lease that is not suspended: ``BrokerError`` 409."""
+        body = {"wait_seconds": wait_seconds} if wait_seconds else {}
+        return LeaseView.from_json(self.request("POST", f"/api/v1/leases/{lease_id}/resume", body,
+                                                timeout=self.timeout + wait_seconds))
+
     def _action(self, lease_id: str, action: str, body: dict[str, Any]) -> LeaseView:
         return LeaseView.from_json(self.request("POST", f"/api/v1/leases/{lease_id}/{action}", body))
 

@@ -148,15 +148,26 @@ def _gpu_state(g: dict[str, Any], now: float) -> str:
 
 
 def why(item: Mapping[str, Any]) -> str:
-    """The broker's words for why a lease waits (``wait.text``) or ended (``reason_text``). Never made here, and
+    """The broker's words for why a lease is suspended (``suspended.text``: since when, why, when it resumes), is
+    asked to suspend (``suspend.text``), waits (``wait.text``) or ended (``reason_text``). Never made here, and
     never a reason slug: the broker's view carries the words."""
-    return str((item.get("wait") or {}).get("text") or item.get("reason_text") or "")
+    return str((item.get("suspended") or {}).get("text") or (item.get("suspend") or {}).get("text")
+               or (item.get("wait") or {}).get("text") or item.get("reason_text") or "")
 
 
 def state_text(lease: Mapping[str, Any]) -> str:
     """A lease's state in the broker's words: its ``reason_text`` (which names the state: "revoked: idle for 10 min
-    while others waited"), else the state and why it waits ("queued: every GPU it could use is held")."""
-    return str(lease.get("reason_text") or lease["state"] + (f": {why(lease)}" if why(lease) else ""))
+    while others waited"), a suspended lease's ``suspended.text`` ("suspended since 14:05 (idle); resumes with its
+    next cell"), else the state and why it waits ("queued: every GPU it could use is held")."""
+    suspended = (lease.get("suspended") or {}).get("text")
+    return str(lease.get("reason_text") or suspended or lease["state"] + (f": {why(lease)}" if why(lease) else ""))
+
+
+def suspended_lines(leases: list[LeaseView]) -> str:
+    """The caller's suspended leases, one line each with the broker's words (``%gpu status``); '' when none."""
+    rows = [[lease.id, lease_gpus(lease), str((lease.suspended or {}).get("text") or lease.state)]
+            for lease in leases if lease.phase == "suspended"]
+    return table(["SUSPENDED", "GPUS", "WHY"], rows) if rows else ""
 
 
 def queue_table(queue: list[dict[str, Any]]) -> str:

@@ -19,3 +19,21 @@ def iter_rows(store: Store) -> Iterator[Lease]:
     """Every lease ``store`` holds, in arrival order."""
     for r in store.reading().execute(f"SELECT {COLUMNS} FROM leases ORDER BY seq"):
         yield from_row(r)
+
+
+def held_stretches(store: Store, lease: Lease) -> list[tuple[float, float | None]]:
+    """(start, end) of each stretch in which ``lease`` held GPUs, from its stored transitions (end None: it holds
+    now). A lease never suspended has one; each suspension ends one and its resume starts the next."""
+    holding = {"granted", "active", "idle"}
+    out: list[tuple[float, float | None]] = []
+    start = None
+    for state, at in store.reading().execute(
+            "SELECT to_state, at FROM transitions WHERE lease_id=? ORDER BY id", (lease.id,)):
+        if state in holding and start is None:
+            start = at
+        elif state not in holding and start is not None:
+            out.append((start, at))
+            start = None
+    if start is not None:
+        out.append((start, None))
+    return out

@@ -34,3 +34,24 @@ def test_example_notebook_runs(name: str, broker_factory, tmp_path: Path, monkey
         assert "same worker" in text and "score in the kernel" in text and "stopped" in text
         assert "parked" in text and "4 variables" in text and "same model (256, 256)" in text
     assert [x for x in b.client().leases() if not x["ended_at"]] == []  # nothing left holding a GPU
+
+
+@pytest.mark.parametrize("name", ["interactive-first"])
+def test_example_policy_loads_for_the_broker_and_the_replay(name: str) -> None:
+    """Each policy in examples/policies loads as the broker and ``gpulease replay --config`` load it, and every
+    option it sets is an option of the policy (traitlets only warns about a misspelt one)."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    from lease_broker.policy.lease_policy import LeasePolicy
+    from lease_broker.replay.policy import load_policy
+
+    path = EXAMPLES / "policies" / f"{name}.py"
+    cfg = PyFileConfigLoader(path.name, path=str(path.parent)).load_config()
+    assert set(cfg) == {"LeasePolicy"}
+    assert set(cfg.LeasePolicy) <= set(LeasePolicy.class_trait_names(config=True))
+    policy = load_policy(str(path))
+    for key, value in cfg.LeasePolicy.items():
+        assert getattr(policy, key) == value, key
+    if name == "interactive-first":
+        assert policy.preempt_mode == "suspend" and policy.suspend_max_gpus == 1
+        assert 0 < policy.suspend_max_share < 1 and policy.suspend_min_runtime_seconds > 0

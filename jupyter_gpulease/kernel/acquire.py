@@ -80,6 +80,15 @@ class WaitDisplay:
         except Exception:
             self.widget = None
 
+    def show(self, text: str) -> None:
+        """One line of text (made by the caller from the broker's words)."""
+        if self.widget is not None:
+            self.widget.value = f"<code>{text}</code> <small>(interrupt the kernel to stop waiting)</small>"
+        else:
+            self._text = True
+            sys.stderr.write("\r" + text + " " * 4)
+            sys.stderr.flush()
+
     def update(self, lease: LeaseView, waited: float) -> None:
         # the broker's words for why it waits and when it may start (the lease view's ``wait.text`` and
         # ``estimate_text``): shown as they are, never re-derived here; an older broker's view has neither
@@ -206,6 +215,44 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
         if not granted:
             release_quietly(client, lease.id, "cancelled")
             HOLDINGS.discard(lease.id)
+
+
+def wait_resumed(client: BrokerClient, lease_id: str, max_wait: float | None, label: str) -> LeaseView:
+    """Ask for a suspended lease's GPUs back and wait for the grant, showing the time waited and the broker's words
+    for the suspension as a request's wait is shown. An interrupt or ``max_wait`` leaves the lease suspended (its
+    next cell asks again); a lease that ended meanwhile raises ``LeaseUnavailable``."""
+    start = time.monotonic()
+    display: WaitDisplay | None = None
+
+    def ask(wait: float) -> LeaseView:
+        try:
+            return client.resume(lease_id, wait_seconds=wait)
+        except BrokerError as e:
+            if e.status != 409:  # 409: no longer suspended (granted meanwhile, or ended): its view says which
+                raise
+            return client.lease(lease_id)
+
+    try:
+        lease = ask(FIRST_POLL)
+        while lease.phase == "suspended":
+            waited = time.monotonic() - start
+            if max_wait is not None and waited >= max_wait:
+                raise LeaseUnavailable(f"No GPU within --wait {duration_text(max_wait)} to resume lease {lease_id}; "
+                                       "it stays suspended and its next cell asks again.")
+            if display is None:
+                display = WaitDisplay(label)
+            text = (lease.suspended or {}).get("text") or "suspended"
+            display.show(f"⏳ {label}: {text} · waiting {duration_text(waited)} for GPUs to resume it")
+            lease = ask(1.0 if max_wait is None else max(0.05, min(1.0, max_wait - waited)))
+    except KeyboardInterrupt:
+        raise _interrupted()(f"{label.split()[0]}: interrupted after {duration_text(time.monotonic() - start)} "
+                             f"waiting for GPUs to resume lease {lease_id}; it stays suspended") from None
+    finally:
+        if display is not None:
+            display.close()
+    if not lease.holding:
+        raise LeaseUnavailable(f"lease {lease_id} ended while suspended: {ended_text(lease)}")
+    return lease
 
 
 def ended_text(lease: LeaseView) -> str:

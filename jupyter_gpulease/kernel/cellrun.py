@@ -27,6 +27,7 @@ from ..wire import transfer, vmcopy
 from ..wire.fastpath import ATTACH_AFTER, later
 from .acquire import HOLDINGS, Heartbeater, ended_text, release_quietly
 from .drive import Sinks, drive
+from .suspending import Suspender
 
 # Broker calls off the cell's critical path (attaching a worker), in order, on one kept-alive connection.
 _IO = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpulease-io")
@@ -137,12 +138,16 @@ class LeaseRun:
         self._end_lock = threading.Lock()
         self._notices: list[str] = []
         self._preempting: dict[str, Any] | None = None
+        #: suspends the running cell's worker when the broker asks (a suspendable lease), resumes it at the grant
+        self.suspender = Suspender(client, lease.id, lambda text: self._notices.append(text.rstrip("\n") + "\n"))
         heartbeater.add(lease.id, active=True, on_reply=self.on_beat)
 
     def on_beat(self, reply: Mapping[str, Any]) -> None:
         """A heartbeat's answer (heartbeat thread): note a preemption warning for the cell to print; keep the
         lease's devices (an incremental lease grows)."""
         view = LeaseView.from_json(reply)
+        if self.status == "running" and self.suspender.worker is not None:
+            self.suspender.ask(view, running=True)
         warning = view.preempting
         if warning and self._preempting is None:
             self._preempting = warning
@@ -217,6 +222,7 @@ class LeaseRun:
         self.code_hashes.append(hashlib.sha256(job.code.encode()).hexdigest()[:16])
         self.status = "running"
         self.error = None
+        self.suspender.worker = worker
         if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
             _IO.submit(self._attach, worker)  # in flight while the job runs (never waited for: see _attach)
@@ -228,7 +234,9 @@ class LeaseRun:
         reaped = False
         try:
             try:
-                msg = job_message(job, {**self.env(), **(env or {})}, oob_dir, worker.local and vmcopy.usable())
+                job_env = {**self.env(), **(env or {})}
+                oob_dir = worker.values_dir(job_env, self.artifacts.mode)  # a remote worker's: written there at once
+                msg = job_message(job, job_env, oob_dir, worker.local and vmcopy.usable())
             except transfer.TransferError as e:  # an unpicklable input: one line naming it, not our frames
                 self.status = "error"
                 raise self._failed(cell_error("TransferError", str(e), f"TransferError: {e}"), outcome, t0) from None

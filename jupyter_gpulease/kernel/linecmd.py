@@ -12,11 +12,12 @@ from gpulease_protocol.words import duration_text
 from .. import artifacts
 from ..client import BrokerError, BrokerUnreachable
 from ..notify import notify, notify_text
-from ..tables import leases_table, queue_table, quota_table, status_text, table
+from ..tables import leases_table, queue_table, quota_table, status_text, suspended_lines, table
 from .acquire import gpu_error
 
 LINE_COMMANDS = """
-Line magic: %gpu status | leases [N] | queue | quota | release ID | sessions | session stop|park NAME
+Line magic: %gpu status | leases [N] | queue | quota | release ID | sessions
+            | session stop|park|suspend|resume NAME
             | artifacts [N] | jobs | notify [show | on | off | KIND[,KIND]]
 """
 
@@ -28,6 +29,9 @@ def line_command(magics: Any, line: str) -> Any:
     try:
         if cmd == "status":
             print(status_text(magics.client.url, magics.client.status()))
+            suspended = suspended_lines(magics.client.leases())  # the broker's words: since when, why, resumes how
+            if suspended:
+                print("\n" + suspended)
         elif cmd == "leases":
             leases = magics.client.leases(ended=int(rest[0]) if rest else 0)
             print(leases_table(leases) if leases else "No leases." + ("" if rest else " (`%gpu leases 10` also "
@@ -49,8 +53,15 @@ def line_command(magics: Any, line: str) -> Any:
             print(f"session {s.name!r} stopped; lease {s.lease_id} released")
         elif cmd == "session" and len(rest) == 2 and rest[0] == "park":
             s = magics.sessions.park(rest[1])
-            print(f"session {s.name!r} parked in host memory ({s.describe_parked()}); lease {s.lease_id} released. "
+            print(f"session {s.name!r} parked {s.parked_where()} ({s.describe_parked()}); lease {s.lease_id} released. "
                   "Its next cell gets a GPU and its variables again.")
+        elif cmd == "session" and len(rest) == 2 and rest[0] == "suspend":
+            s = magics.sessions.suspend(rest[1])
+            print(f"session {s.name!r}: " + s.suspended_text() + ". Its next cell (or `%gpu session resume "
+                  f"{s.name}`) gets a GPU and resumes it with every variable intact.")
+        elif cmd == "session" and len(rest) == 2 and rest[0] == "resume":
+            s = magics.sessions.resume(rest[1])
+            print(f"session {s.name!r} resumed on lease {s.lease_id}, every variable intact")
         elif cmd == "artifacts":
             return _recent_artifacts(magics, int(rest[0]) if rest else 10)
         elif cmd == "notify":

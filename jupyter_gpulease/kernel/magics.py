@@ -23,19 +23,20 @@ from gpulease_protocol.requests import parse_duration, parse_size, request_field
 
 from .. import artifacts as _artifacts
 from ..client import BrokerClient, BrokerError, BrokerUnreachable
-from ..executors import executor_class
+from ..executors import executor_class, placement_kind
 from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
 from ..lease_view import LeaseView
 from ..wire import fastpath
 from ..wire.fastpath import REFILL_DELAY, later
-from .acquire import HOLDINGS, Heartbeater, LeaseUnavailable, acquire, gpu_error
+from .acquire import HOLDINGS, GpuError, Heartbeater, LeaseUnavailable, acquire, gpu_error
 from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
 from .drive import default_sinks
 from .linecmd import LINE_COMMANDS, line_command
 from .sessions import Session, Sessions, park_dir, park_target, sweep_orphans
+from .suspending import local_suspendable
 
 
 @magics_class
@@ -110,6 +111,16 @@ class GpuMagics(Magics):
         "variables are gone with its lease. Example: False.",
     )
 
+    suspend_leases = Bool(
+        True, config=True,
+        help="Ask for leases the broker may suspend instead of ending them (when its policy suspends: idle, a "
+        "waiting request's pressure, a time limit, a preemption): the cell's or session's worker processes are "
+        "stopped where they are, their GPU state checkpointed to host memory on a CUDA host with the driver's "
+        "checkpoint API, and resumed on GPUs of the same model when the lease is granted again, every variable "
+        "intact. Only for workers on this host that can be suspended (otherwise a session parks, see "
+        "park_sessions). False: leases end as without suspension. Example: False.",
+    )
+
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self._sh: Any = shell
@@ -161,7 +172,7 @@ class GpuMagics(Magics):
 
     def _start_worker(self, lease: LeaseView, session: bool = False) -> Worker:
         """A worker where the lease's GPUs are: this host, or a node of the engine that placed it (Ray, Slurm)."""
-        kind = str((lease.placement or {}).get("kind") or "local")
+        kind = placement_kind(lease.placement)
         executor = self.executors.get(kind)
         if executor is None:
             executor = self.executors[kind] = executor_class(kind)(parent=self)
@@ -239,6 +250,8 @@ class GpuMagics(Magics):
             request = request_fields(args.gpus, mem=args.mem, time=args.time, idle=args.idle, gpu_type=args.gpu_type,
                                      gpu_mem=args.gpu_mem, flag="--", ends_with_caller=True)
             request["heartbeat"] = True
+            if self.suspend_leases and local_suspendable():  # the broker asks only leases that say so
+                request["suspendable"] = True
             if args.priority:
                 request["priority"] = args.priority
             wait = parse_duration(args.wait, "--wait") if args.wait else None
@@ -289,6 +302,7 @@ class GpuMagics(Magics):
         if granted is not None:
             granted(lease.id)
         run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued, self.artifacts_group_readable)
+        run.suspender.enabled = bool(opts["request"].get("suspendable"))
         try:
             worker = self._start_worker(lease)
             return run.run(worker, job, sinks or default_sinks(), opts["grace"])
@@ -307,7 +321,7 @@ class GpuMagics(Magics):
                 self.sessions.discard(name)
                 s = None
             else:
-                print(f"gpulease: session {name!r} was parked in host memory ({s.describe_parked()}); "
+                print(f"gpulease: session {name!r} was parked {s.parked_where()} ({s.describe_parked()}); "
                       "getting a GPU for it again")
                 s.resume(*self._session_lease(opts))
                 self._beat_for(s)
@@ -324,9 +338,17 @@ class GpuMagics(Magics):
             self.sessions.add(s)
             self._beat_for(s)
         s.parent = self._sh.get_parent() if hasattr(self._sh, "get_parent") else None
+        s.shell = self._sh
         s.warned = False
         s.cells += 1
         with s.lock:
+            try:
+                s.resume_suspended(opts["wait"], f"%%gpu --session {name}")
+            except GpuError:
+                if not s.alive():  # its state was lost: the session ended
+                    self.sessions.discard(name)
+                raise
+            s.busy = True
             try:
                 outcome = s.run.run(s.worker, job, default_sinks(), opts["grace"], single_use=False,
                                     extra=s.job_extra())
@@ -337,6 +359,7 @@ class GpuMagics(Magics):
                 s.restored()
                 raise
             finally:
+                s.busy = False
                 if not s.worker.alive() and s.find_parked() is None:
                     self.sessions.discard(name)
                 elif s.worker.alive():
@@ -348,6 +371,7 @@ class GpuMagics(Magics):
         """A lease and a started session worker on it."""
         lease, queued = self._acquire(opts)
         run = LeaseRun(self.client, self.heartbeater, lease, self._root(), queued, self.artifacts_group_readable)
+        run.suspender.enabled = bool(opts["request"].get("suspendable"))
         try:
             return run, self._start_worker(lease, session=True)
         except Exception:

@@ -2,9 +2,15 @@
 until ``%gpu session stop NAME`` or the broker ends its lease (idle, a waiting request's pressure, its time
 limit: warned first).
 
-A session whose lease ends while it waits for its next cell is *parked* (``worker.park``): its worker pickles its
-variables into host memory and exits, so the GPU is free at once; the session's next cell gets a GPU again and
-its variables back. ``%gpu session park NAME`` parks one by hand.
+A session whose suspendable lease the broker asks to suspend (idle, a waiting request's pressure, its time limit,
+a preemption) is *suspended* (``kernel.suspending``): its worker's processes stop where they are (their GPU state
+checkpointed to host memory on a CUDA host) and the GPU is free at once; its next cell gets a GPU again and resumes
+them, every variable intact, unpicklable ones included. ``%gpu session suspend|resume NAME`` do it by hand.
+
+A session whose lease ends while it waits for its next cell (no suspension: another node's worker, a host that
+cannot checkpoint, an error while suspending) is *parked* (``worker.park``): its worker pickles its variables into
+host memory and exits, so the GPU is free at once; the session's next cell gets a GPU again and its variables back.
+``%gpu session park NAME`` parks one by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from ..executors.base import Worker, WorkerCrashed
 from ..lease_view import LeaseView
 from ..tables import fmt_bytes
 from ..worker import park
+from .acquire import gpu_error, wait_resumed
 from .cellrun import LeaseRun
+from .suspending import Suspender
 
 #: seconds a worker may take to park its state when the kernel asks (a large model to host memory)
 PARK_TIMEOUT = 600.0
@@ -44,6 +52,8 @@ class Session:
     #: the parked state's summary (names, dropped, nbytes, at) once parked, until restored
     parked: dict[str, Any] | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)  # a cell or a park at a time
+    busy: bool = False  # a cell runs in it now
+    shell: Any = None  # the IPython shell its messages go through
 
     @property
     def lease_id(self) -> str:
@@ -51,6 +61,38 @@ class Session:
 
     def alive(self) -> bool:
         return not self.ended_reason and self.worker.alive() and self.run.status != "ended"
+
+    @property
+    def suspender(self) -> Suspender:
+        """Suspends and resumes this session's worker (its current lease's ``Suspender``), speaking in its cell."""
+        sp = self.run.suspender
+        sp.worker, sp.label = self.worker, f"session {self.name!r}"
+        sp.say = lambda text: self._say(text, self.shell)
+        return sp
+
+    @property
+    def suspended(self) -> bool:
+        return self.run.suspender.suspended
+
+    def suspended_text(self) -> str:
+        """The broker's words for the suspension ("suspended since 14:05 (idle); resumes with its next cell")."""
+        return self.run.suspender.text()
+
+    def resume_suspended(self, wait: float | None, label: str) -> None:
+        """Get GPUs for a suspended session again (waiting as a request does) and resume its worker on them; the
+        caller holds ``lock``. A worker whose state could not be brought back ends the session (``GpuError``)."""
+        sp = self.suspender
+        if not sp.suspended:
+            return
+        print(f"gpulease: session {self.name!r}: {sp.text()}; getting GPUs to resume it", file=sys.stderr, flush=True)
+        lease = wait_resumed(self.run.client, self.lease_id, wait, label)
+        if not sp.resume_processes(lease, quiet=True):
+            self.ended_reason = f"its state was lost when resuming it ({sp.lost})"
+            self._stop_worker()
+            self.run.end("resume_failed")
+            raise gpu_error("SessionLost", f"session {self.name!r} could not be resumed: {sp.lost}. Its variables are "
+                                           "lost and its lease was released; its next cell starts a new session.")
+        self.run.lease = lease
 
     def resume(self, run: LeaseRun, worker: Worker) -> None:
         """A parked session's new lease and worker (its next job restores the parked state)."""
@@ -80,6 +122,13 @@ class Session:
             if manifest is not None:
                 self.parked = {k: manifest[k] for k in ("names", "dropped", "nbytes", "at")}
         return self.parked
+
+    def parked_where(self) -> str:
+        """Where its variables are parked: host memory for a worker of this host, else the park directory (under the
+        shared artifact root, ``park_dir``)."""
+        if self.worker.local or not self.park_target:
+            return "in host memory"
+        return f"in {self.park_target['dir']}"
 
     def describe_parked(self) -> str:
         p = self.parked or {}
@@ -118,12 +167,18 @@ class Session:
         last cell. Off the heartbeat thread: parking a large model takes a while."""
         why = self.run.ended_why() or f"its lease {self.lease_id} ended"
         self.ended_reason = why
+        sp = self.run.suspender
+        sp.continue_processes()  # ended while suspended: the processes go on, to park (or be stopped)
+        if sp.lost:
+            self._stop_worker()
+            self._say(f"gpulease: session {self.name!r}: {why}; {sp.lost}: its variables are gone", shell)
+            return
 
         def park_and_say() -> None:
             say = lambda text: self._say(text.rstrip("\n"), shell)  # noqa: E731
             parked = self.park_target is not None and (self.park(why, say) or self._wait_parked())
             if parked:
-                say(f"gpulease: session {self.name!r}: {why}; its variables are parked in host memory "
+                say(f"gpulease: session {self.name!r}: {why}; its variables are parked {self.parked_where()} "
                     f"({self.describe_parked()}) and come back with its next cell")
             else:
                 say(f"gpulease: session {self.name!r}: {why}; its variables are gone")
@@ -151,10 +206,15 @@ class Session:
     def on_heartbeat(self, view: LeaseView, warn_window: float, shell: Any) -> None:
         """Called from the heartbeat thread with the broker's view of the lease (a live one: the broker answers a
         heartbeat for an ended lease with 409, and ``on_gone`` runs)."""
+        self.suspender.ask(view, running=self.busy)
+        if view.phase == "suspended":  # no idle countdown
+            return
         deadline = view.idle_deadline
         if deadline and not self.warned and deadline - time.time() <= warn_window:
             self.warned = True
-            then = ("its variables will be parked in host memory until its next cell" if self.park_target
+            then = ("its processes will be suspended until its next cell, every variable kept"
+                    if self.run.suspender.enabled and not self.run.suspender.why_not()
+                    else f"its variables will be parked {self.parked_where()} until its next cell" if self.park_target
                     else "its variables will be gone")
             self._say(
                 f"gpulease: session {self.name!r} has been idle; its lease {self.lease_id} will be revoked in "
@@ -224,12 +284,47 @@ class Sessions:
         s.ended_reason = s.ended_reason or "parked"
         return s
 
+    def suspend(self, name: str) -> Session:
+        """``%gpu session suspend NAME``: suspend the session's worker now and report it (of its own accord)."""
+        s = self._named(name)
+        if not s.alive():
+            raise ValueError(f"session {name!r} has ended ({s.ended_reason or 'worker gone'}): nothing to suspend")
+        with s.lock:
+            sp = s.suspender
+            said: list[str] = []
+            sp.say = said.append  # the line magic says what happened
+            try:
+                if sp.suspend() is None:
+                    raise ValueError(said[-1].removeprefix("gpulease: ") if said else
+                                     f"session {name!r} could not be suspended")
+            finally:
+                sp.say = lambda text: s._say(text, s.shell)
+        return s
+
+    def resume(self, name: str) -> Session:
+        """``%gpu session resume NAME``: get GPUs for a suspended session and resume its worker now."""
+        s = self._named(name)
+        with s.lock:
+            if not s.suspended:
+                raise ValueError(f"session {name!r} is not suspended")
+            s.resume_suspended(None, f"session {name}")
+        return s
+
+    def _named(self, name: str) -> Session:
+        s = self.by_name.get(name)
+        if s is None:
+            known = ", ".join(sorted(self.by_name)) or "none"
+            raise KeyError(f"No session {name!r} (sessions: {known})")
+        return s
+
     def rows(self) -> list[list[Any]]:
         return [[s.name, s.lease_id, _state(s), s.cells, duration_text(time.time() - s.created)]
                 for s in self.by_name.values()]
 
 
 def _state(s: Session) -> str:
+    if s.alive() and s.suspended:
+        return s.suspended_text()
     if s.alive():
         return "alive"
     if s.find_parked() is not None:
@@ -283,4 +378,8 @@ def park_dir(worker: Worker, artifact_root: str | None) -> str | None:
     if local is None:
         return None
     os.makedirs(local, exist_ok=True)
-    return private_dir(os.path.join(local, ".park"))
+    directory = private_dir(os.path.join(local, ".park"))
+    unseen = worker.unseen(directory)  # the worker's node checks it reads this kernel's marker there
+    if unseen:
+        raise OSError(unseen)  # said at once, in one line: the session's variables would be lost with its lease
+    return directory

@@ -119,3 +119,17 @@ export function leaseUsage(u: ILeaseUsage | null | undefined): string {
   const util = u.mean_utilization === null ? '' : ` · util ${Math.round(u.mean_utilization)}% (peak ${Math.round(u.peak_utilization ?? 0)}%)`;
   return `peak ${formatBytes(u.peak_memory)}${held}${util}`;
 }
+
+/**
+ * The broker's words for a suspended lease ("suspended since 14:05 (idle); resumes with its next cell") or for one
+ * it asks to suspend ("asked to suspend by 14:06 (idle)"), shown as they come; [] otherwise.
+ */
+export function suspendWords(l: Pick<ILease, 'phase' | 'suspend' | 'suspended'>): string[] {
+  if (l.phase === 'suspended' && l.suspended?.text) {
+    return [l.suspended.text];
+  }
+  if (l.phase === 'holding' && l.suspend?.text) {
+    return [l.suspend.text];
+  }
+  return [];
+}

@@ -3,7 +3,7 @@ import { Widget } from '@lumino/widgets';
 
 import { cancelRequest, extendLease, releaseLease, revokeLease } from './actions';
 import { IArtifact, IQueueEntry } from './api';
-import { gpuCard, leaseUsage, showsIdleCountdown, updateCardSample } from './cards';
+import { gpuCard, leaseUsage, showsIdleCountdown, suspendWords, updateCardSample } from './cards';
 import { counter, formatClock, gpusWanted, h, tickCounters, waitWords } from './format';
 import { ILease } from './leaseView';
 import { GpuLeaseModel } from './model';
@@ -157,6 +157,7 @@ export class GpuLeasePanel extends Widget {
     if (l.phase === 'queued') {
       parts.push(...waitWords(l).map(w => [h('span', { class: 'jp-GpuLease-waitWhy' }, w)]));
     }
+    parts.push(...suspendWords(l).map(w => [h('span', { class: 'jp-GpuLease-suspended' }, w)]));
     if (admin && l.holder && !l.holder.alive && l.holder.text) {
       parts.push([h('span', { class: 'jp-GpuLease-holderGone', title: 'Its holder is gone: the broker ends it' }, l.holder.text)]);
     }
@@ -182,7 +183,9 @@ export class GpuLeasePanel extends Widget {
               button('jp-mod-reject jp-GpuLease-release', `Release lease ${l.id}`, 'release', 'Release', () => releaseLease(m, l)),
               button('jp-GpuLease-extend', `Extend lease ${l.id}`, 'extend', 'Extend…', () => extendLease(m, l))
             ]
-          : null,
+          : own && l.phase === 'suspended'
+            ? button('jp-mod-reject jp-GpuLease-release', `Release lease ${l.id}`, 'release', 'Release', () => releaseLease(m, l))
+            : null,
         admin
           ? button('jp-mod-warn jp-GpuLease-revoke', `Revoke lease ${l.id} of ${l.user}`, 'revoke', 'Revoke…', () => revokeLease(m, l))
           : null

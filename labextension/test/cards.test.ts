@@ -2,7 +2,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { leaseUsage, showsIdleCountdown } from '../src/cards';
+import { leaseUsage, showsIdleCountdown, suspendWords } from '../src/cards';
 import { gpuKind, wants } from '../src/gputype';
 import { ILease } from '../src/leaseView';
 
@@ -33,4 +33,14 @@ test("a lease's usage: its peak of what it held and its utilisation, nothing bef
   assert.equal(leaseUsage(before), '');
   const used = leaseUsage({ ...before, samples: 3, peak_memory: 3 * GiB, held_memory: 40 * GiB, mean_utilization: 61.6, peak_utilization: 94, source: 'process' });
   assert.ok(used.includes('3.0 GiB') && used.includes('40 GiB') && used.includes('62%') && used.includes('94%'), used);
+});
+
+test("a suspended lease, or one asked to suspend, shows the broker's words as they come", () => {
+  const lease = (fields: Partial<ILease>) => ({ phase: 'holding', suspend: null, suspended: null, ...fields }) as ILease;
+  const text = 'suspended since 14:05 (idle); resumes with its next cell';
+  const suspended = { why: 'idle', since: 1, resume: false, devices: ['GPU-a'], model: 'H100', how: 'stop', text };
+  assert.deepEqual(suspendWords(lease({ phase: 'suspended', suspended } as Partial<ILease>)), [text]);
+  const ask = { why: 'idle' as const, deadline: 2, text: 'asked to suspend by 14:06 (idle)' };
+  assert.deepEqual(suspendWords(lease({ suspend: ask })), [ask.text]);
+  assert.deepEqual(suspendWords(lease({})), []);
 });

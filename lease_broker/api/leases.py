@@ -1,4 +1,5 @@
-"""Leases: request, look up, wait, release, renew, heartbeat, attach processes, revoke, history."""
+"""Leases: request, look up, wait, release, renew, heartbeat, attach processes, revoke, suspended (the holder's
+report) and resume, history."""
 
 from __future__ import annotations
 
@@ -64,6 +65,14 @@ class LeaseActionHandler(BaseHandler):
             lease = m.attach(lease_id, self.who, body.get("pid"))
         elif action == "revoke":
             lease = m.revoke(lease_id, self.who, str(body.get("reason", "admin")))
+        elif action == "suspended":
+            lease = m.suspended(lease_id, self.who, body)
+        elif action == "resume":
+            wait = parse_duration(body.get("wait_seconds", 0), "wait_seconds")
+            lease = m.resume(lease_id, self.who)
+            await m.settled()  # the pass it asked for runs first
+            if wait and lease.state == LeaseState.SUSPENDED:
+                lease = await m.wait(lease, min(wait, MAX_WAIT))
         else:  # pragma: no cover - the route only matches known actions
             raise web.HTTPError(404)
         await self.reply(self.view(lease))
@@ -79,6 +88,6 @@ def routes(prefix: str) -> Routes:
     return [
         (prefix + r"/leases", LeasesHandler),
         (prefix + r"/leases/" + LEASE_ID, LeaseHandler),
-        (prefix + r"/leases/" + LEASE_ID + r"/(release|renew|heartbeat|processes|revoke)", LeaseActionHandler),
+        (prefix + r"/leases/" + LEASE_ID + r"/(release|renew|heartbeat|processes|revoke|suspended|resume)", LeaseActionHandler),
         (prefix + r"/leases/" + LEASE_ID + r"/history", HistoryHandler),
     ]

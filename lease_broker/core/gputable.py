@@ -66,8 +66,10 @@ class GpuTable:
         held = self._held.get(lease.id)
         touched = self._unregister(lease.id)
         touched.update(self._register(lease))
-        if held is not None and lease.id not in self._held:
-            self._left.append((held.user, held.gpus, held.granted_at, lease.ended_at))
+        if held is not None and lease.id not in self._held:  # (a suspended lease held its GPUs until suspended)
+            s = lease.suspension
+            end = lease.ended_at if lease.ended_at is not None or s is None or not s.suspended else s.since
+            self._left.append((held.user, held.gpus, held.granted_at, end))
         for gid in touched:
             self._refresh(gid)
 

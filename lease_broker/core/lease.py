@@ -26,6 +26,7 @@ class LeaseState(str, enum.Enum):
     EXPIRED = "expired"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    SUSPENDED = "suspended"  # its processes are suspended (GPU state in host memory); it holds no GPU
 
     @property
     def terminal(self) -> bool:
@@ -38,14 +39,17 @@ class LeaseState(str, enum.Enum):
 
 
 Q, G, A, IDLE = LeaseState.QUEUED, LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE
+S = LeaseState.SUSPENDED
 ENDINGS = (LeaseState.RELEASED, LeaseState.REVOKED, LeaseState.EXPIRED, LeaseState.FAILED)
 
-#: The one table of allowed transitions.
+#: The one table of allowed transitions. A holding lease may be suspended (its holder reported its processes
+#: suspended: ``Lease.suspension``); a suspended one is granted again (resumed, on GPUs of the model it left) or ends.
 TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     Q: frozenset({G, LeaseState.CANCELLED, LeaseState.FAILED}),
-    G: frozenset({A, IDLE, *ENDINGS}),
-    A: frozenset({IDLE, *ENDINGS}),
-    IDLE: frozenset({A, *ENDINGS}),
+    G: frozenset({A, IDLE, S, *ENDINGS}),
+    A: frozenset({IDLE, S, *ENDINGS}),
+    IDLE: frozenset({A, S, *ENDINGS}),
+    S: frozenset({G, *ENDINGS}),
     **{s: frozenset() for s in (*ENDINGS, LeaseState.CANCELLED)},
 }
 TERMINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
@@ -98,6 +102,7 @@ class LeaseRequest:
     gpu_mem: int = 0  # > 0: each device has at least this many bytes of memory
     ends_with_caller: bool = False  # the calling process is the lease's holder: it ends when that process exits
     grow: bool = False  # a range (1-4) grows while it holds (code that takes added GPUs); else it keeps its grant
+    suspendable: bool = False  # its holder suspends its processes when asked and reports it (``Suspension``)
 
     @property
     def shared(self) -> bool:
@@ -163,12 +168,13 @@ def parse_request(data: Any) -> LeaseRequest:
     priority = data.get("priority", "normal")
     if not isinstance(priority, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", priority):
         raise BadRequest(f"Invalid priority {priority!r}")
-    heartbeat, ends_with_caller, grow = (_bool(data, name, default) for name, default in (
-        ("heartbeat", True), ("ends_with_caller", False), ("grow", False)))
+    heartbeat, ends_with_caller, grow, suspendable = (_bool(data, name, default) for name, default in (
+        ("heartbeat", True), ("ends_with_caller", False), ("grow", False), ("suspendable", False)))
     return LeaseRequest(
         heartbeat=heartbeat,
         ends_with_caller=ends_with_caller,
         grow=grow,
+        suspendable=suspendable,
         gpu_type=_parse_gpu_type(data.get("gpu_type", "")),
         gpu_mem=parse_size(data.get("gpu_mem", 0), "gpu_mem"),
         min_gpus=lo,
@@ -219,6 +225,51 @@ class Preempting:
 WITHDRAWN = Preempting("", "", "", 0.0, 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Suspension:
+    """The broker asked the lease's holder to suspend its processes (``since == 0``: asked, the holder reports by
+    ``deadline``, else the broker does what it would have done without suspension), or they are suspended
+    (``since > 0``: the lease is SUSPENDED and holds no GPU). Cleared when the lease is granted again (resumed).
+
+    ``why``: idle, pressure, expired (a revocation that suspends instead), preempted (a waiting request that may
+    suspend others: ``by_lease``/``by_user``), user (the holder suspended of its own accord), admin. ``devices`` and
+    ``model``: the GPUs it left, and their model; it resumes on GPUs of that model, its own when free. ``resume``:
+    it wants GPUs back now (queued for them before new requests of its class). ``remaining``: the seconds its time
+    limit had left when it was suspended. ``how``: what the holder did ("checkpoint": GPU state to host memory and
+    SIGSTOP; "stop": SIGSTOP alone, no CUDA state), as it reported."""
+
+    why: str
+    asked_at: float
+    deadline: float = 0.0
+    since: float = 0.0
+    by_lease: str = ""
+    by_user: str = ""
+    devices: tuple[str, ...] = ()
+    model: str = ""
+    resume: bool = False
+    remaining: float = 0.0
+    how: str = ""
+
+    @property
+    def suspended(self) -> bool:
+        return self.since > 0
+
+    def text(self) -> str:
+        return json.dumps(dataclasses.astuple(self))
+
+    @classmethod
+    def parse(cls, text: str) -> Suspension | None:
+        if not text:
+            return None
+        values = json.loads(text)
+        values[6] = tuple(values[6])
+        return cls(*values)
+
+
+#: ``Change(suspension=RESUMED)``: the suspension is over (the lease was granted again, or the ask withdrawn).
+RESUMED = Suspension("", 0.0)
+
+
 @dataclasses.dataclass
 class Lease:
     """A lease as the broker holds it in memory (a row of the store)."""
@@ -247,6 +298,9 @@ class Lease:
     preempting: Preempting | None = None  # warned that a higher class takes its GPUs (kept once it ended)
     warned: frozenset[str] = frozenset()  # the warnings its holder got ("idle", "expiry"): each is sent once
     pauses: tuple[float, ...] = ()  # its last idle pauses that ended in activity (``pressure_learns_pauses``)
+    suspension: Suspension | None = None  # asked to suspend, or suspended (``LeaseState.SUSPENDED``)
+    suspended_seconds: float = 0.0  # time spent suspended in earlier suspensions (the starvation bound; not charged)
+    suspensions: int = 0  # how many times it was suspended
 
     @property
     def pids(self) -> list[int]:
@@ -290,6 +344,9 @@ class Change:
     warned: frozenset[str] | None = None
     pauses: tuple[float, ...] | None = None
     processes: dict[int, int] | None = None
+    suspension: Suspension | None = None
+    suspended_seconds: float | None = None
+    suspensions: int | None = None
     attach: tuple[int, int] | None = None
     shift: float = 0.0
     event: str = ""
@@ -314,6 +371,8 @@ class Change:
                 setattr(lease, name, list(value) if name == "devices" else value)
         if self.preempting is WITHDRAWN:
             lease.preempting = None
+        if self.suspension is RESUMED:
+            lease.suspension = None
         if self.shift:
             for name in TIMES:
                 value = getattr(lease, name)

@@ -18,6 +18,7 @@ class Pending:
     duration: float  # effective lease duration (policy applied)
     queued_at: float = 0.0  # when it was requested (small_first_timeout counts from here)
     prefer: tuple[str, ...] = ()  # the GPUs its notebook's lease just gave back: taken again if still free
+    resuming: bool = False  # a suspended lease that wants GPUs back: queued before new requests of its class
 
     @classmethod
     def of(cls, lease: Lease, prefer: tuple[str, ...] = ()) -> Pending:

@@ -13,6 +13,10 @@ change moves a bucket: a bucket alone in its tier takes the tier along (O(shapes
 joins a tier of other users moves its own requests (O(its requests x log n)). :meth:`Queue.rescore` moves only the
 buckets whose class rank or score changed. A place in the queue and a window deep in it cost O(tiers) to skip the
 tiers before them: O(1) when the users waiting tie.
+
+A suspended lease that wants its GPUs back (``Pending.resuming``) is queued like a request, in a bucket of its own
+per class and user whose score is fixed at ``RESUMING`` (below every user's): the resuming leases of a class go
+before its new requests, by their original arrival, at the same costs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .scheduler import Pending
 Shape = tuple[bool, int, str, str, int]  # (shared, min GPUs, locality, GPU type, memory per GPU): requests of one
 # shape need the same GPUs
 TierKey = tuple[int, float]  # (-class rank, score)
+RESUMING = float("-inf")  # the score of resuming leases' buckets: before every user's requests of their class
 
 
 def shape_of(p: Pending) -> Shape:
@@ -37,11 +42,17 @@ def shape_of(p: Pending) -> Shape:
 class _Bucket:
     """One user's requests of one priority class (their arrivals, ``seq``), which share the user's score."""
 
-    __slots__ = ("priority", "user", "rank", "score", "seqs")
+    __slots__ = ("priority", "user", "rank", "score", "seqs", "resuming")
 
-    def __init__(self, priority: str, user: str, rank: int, score: float) -> None:
+    def __init__(self, priority: str, user: str, rank: int, score: float, resuming: bool = False) -> None:
         self.priority, self.user, self.rank, self.score = priority, user, rank, score
+        self.resuming = resuming  # resuming leases (score RESUMING, never re-scored)
         self.seqs: set[int] = set()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Its key in ``Queue._buckets``: (class, user); a resuming bucket's class is marked."""
+        return ("\0" + self.priority if self.resuming else self.priority, self.user)
 
     @property
     def tier(self) -> TierKey:
@@ -85,13 +96,15 @@ class Queue:
         """Queue ``p``; ``score``: its user's fair-share score now (its bucket takes it)."""
         if p.lease_id in self._where:
             return
-        b = self._buckets.get((p.request.priority, p.user))
+        if p.resuming:
+            score = RESUMING
+        b = self._buckets.get(("\0" + p.request.priority if p.resuming else p.request.priority, p.user))
         if b is None:
-            b = _Bucket(p.request.priority, p.user, self._ranks().get(p.request.priority, 0), score)
-            self._buckets[(b.priority, b.user)] = b
+            b = _Bucket(p.request.priority, p.user, self._ranks().get(p.request.priority, 0), score, p.resuming)
+            self._buckets[b.key] = b
             self._tier(b.tier).buckets += 1
-            if score:
-                self._scored.add((b.priority, b.user))
+            if score and not p.resuming:
+                self._scored.add(b.key)
         elif b.score != score:
             self._move(b, b.rank, score)
         shape = shape_of(p)
@@ -113,8 +126,8 @@ class Queue:
         self._take(t, seq, shape)
         b.seqs.discard(seq)
         if not b.seqs:
-            del self._buckets[(b.priority, b.user)]
-            self._scored.discard((b.priority, b.user))
+            del self._buckets[b.key]
+            self._scored.discard(b.key)
             self._leave(t)
         n = self._users[p.user]
         if n > 1:
@@ -136,7 +149,7 @@ class Queue:
             buckets = [b for k in keys if (b := self._buckets.get(k)) is not None]
         self._ranks_seen = dict(ranks)
         for b in buckets:
-            rank, s = ranks.get(b.priority, 0), score(b.user)
+            rank, s = ranks.get(b.priority, 0), RESUMING if b.resuming else score(b.user)
             if rank != b.rank or s != b.score:
                 self._move(b, rank, s)
 
@@ -144,10 +157,10 @@ class Queue:
         old, new = b.tier, (-rank, score)
         t = self._tiers[old]
         b.rank, b.score = rank, score
-        if score:
-            self._scored.add((b.priority, b.user))
+        if score and not b.resuming:
+            self._scored.add(b.key)
         else:
-            self._scored.discard((b.priority, b.user))
+            self._scored.discard(b.key)
         if t.buckets == 1 and new not in self._tiers:  # alone: its tier moves along, its requests stay in it
             del self._tiers[old]
             self._order.remove(old)

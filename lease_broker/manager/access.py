@@ -61,8 +61,8 @@ class Waiters:
         self._futures: dict[str, list[asyncio.Future[Lease]]] = {}
 
     async def wait(self, lease: Lease, timeout: float) -> Lease:
-        """Wait until a queued lease is granted or ends, at most ``timeout`` seconds."""
-        if lease.state != LeaseState.QUEUED or timeout <= 0:
+        """Wait until a queued (or suspended) lease is granted or ends, at most ``timeout`` seconds."""
+        if lease.state not in (LeaseState.QUEUED, LeaseState.SUSPENDED) or timeout <= 0:
             return lease
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._futures.setdefault(lease.id, []).append(fut)

@@ -19,7 +19,7 @@ from ..core.errors import BadRequest
 from ..core.fairshare import FairShare
 from ..core.gpu import GpuSample
 from ..core.identity import Identity
-from ..core.lease import HOLDING, Lease
+from ..core.lease import HOLDING, Lease, LeaseState
 from ..core.lease_use import LeaseUse
 from ..host.procs import is_descendant
 from ..policy.lease_policy import LeasePolicy
@@ -27,6 +27,9 @@ from ..store.admin_store import AdminStore
 from .preemption import REASON as PREEMPTED
 from .state import LiveState
 
+#: The states in which a lease holds GPUs (charged), and the one in which it holds none (not charged).
+HELD = frozenset(s.value for s in HOLDING)
+SUSPENDED = LeaseState.SUSPENDED.value
 #: What the usage report groups by.
 REPORT_BY = ("user", "group", "label", "notebook")
 
@@ -101,9 +104,14 @@ class Accounting:
             held = row["gpus"] * max(0.0, end - max(row["granted_at"], since)) / 3600
             busy = 0.0
             trans = row["transitions"] + [("", end)]
+            suspended = any(state == SUSPENDED for state, _ in trans)
+            if suspended:  # held: the time in holding states only (granted_at is its last resume)
+                held = 0.0
             for (state, at), (_, nxt) in zip(trans, trans[1:], strict=False):
                 if state == "active":
                     busy += row["gpus"] * max(0.0, min(nxt, end) - max(at, since)) / 3600
+                if suspended and state in HELD:
+                    held += row["gpus"] * max(0.0, min(nxt, end) - max(at, since)) / 3600
             for key in key_of[by](row):
                 u = out.setdefault(key, {"key": key, "gpu_hours_held": 0.0, "gpu_hours_busy": 0.0, "leases": 0,
                                          "revocations": 0, "preempted": 0, "peak_memory": None,
@@ -114,7 +122,7 @@ class Accounting:
                 u["gpu_hours_busy"] += busy
                 u["leases"] += 1
                 u["revocations"] += row["state"] == "revoked"
-                u["preempted"] += row["reason"] == PREEMPTED
+                u["preempted"] += row["reason"].partition(";")[0] == PREEMPTED
                 if use.samples:
                     u["peak_memory"] = max(u["peak_memory"] or 0, use.peak_memory)
                 if use.util_mean is not None:

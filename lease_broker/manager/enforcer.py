@@ -17,15 +17,18 @@ from ..core.errors import BadRequest, Forbidden
 from ..core.gpu import GpuSample
 from ..core.gpufit import constrained, fits
 from ..core.identity import Identity
-from ..core.lease import HOLDING, Change, Lease, LeaseState
+from ..core.lease import HOLDING, RESUMED, Change, Lease, LeaseState, reason_slug
 from ..core.slots import SlotIndex
 from ..core.small_first import Pressure, small_need
+from ..core.words import SUSPEND_FAILED
 from ..host.procs import ProcInfo, children_map, is_descendant, proc_info, signal_group
 from ..policy.lease_policy import LeasePolicy
 from .gpuwatch import GpuWatch
 from .state import LeaseOps, LiveState
 
 log = logging.getLogger("lease_broker")
+#: The reason of a lease revoked by preemption (``preemption.REASON``, which imports this module).
+PREEMPTED = "preempted"
 PAUSES_KEPT = 8  # a lease's last idle pauses that pressure_learns_pauses takes the median of
 
 
@@ -66,25 +69,33 @@ class Enforcer:
         self.watch = GpuWatch(state=state, ops=ops, policy=policy, clock=clock, enforcer=self)
 
     # ---------------------------------------------------------------- processes
-    def stop(self, lease: Lease) -> None:
-        """SIGTERM a lease's process groups; drain its GPUs until they are gone."""
-        alive = {p: t for p, t in lease.processes.items() if _alive(p, t)}
+    def drain(self, lease: Lease) -> None:
+        """A lease that held GPUs ended: drain its GPUs until its processes are gone. At once, when the end is
+        committed, before the iteration's scheduling pass: a pass must not hand on a GPU its processes still use
+        (the SIGTERM waits for the stored end: ``stop``)."""
+        alive = [p for p, t in lease.processes.items() if _alive(p, t)]
         now = self.clock.now()
         # the GPU is clean only when the descendants are gone too (they may have left the process group)
         # (only live ones: a dead pid may since belong to an unrelated process, which must not hold the GPU)
-        drain_pids = sorted(set(alive) | _descendants(list(alive)))
-        if alive:
-            for pid, ticks in alive.items():
-                if signal_group(pid, ticks, signal.SIGTERM):
-                    log.info("Lease %s ended: SIGTERM to process group of %s", lease.id, pid)
-            self.kills[lease.id] = (now + self.policy.term_timeout, alive)
-        devices = list(lease.devices)
+        drain_pids = sorted(set(alive) | _descendants(alive))
         samples = self.state.samples
-        dirty = [d for d in devices if alive or not self.probe.is_drained(d, drain_pids, samples)]
+        dirty = [d for d in lease.devices if alive or not self.probe.is_drained(d, drain_pids, samples)]
         if dirty:
             for d in dirty:
                 self.draining[d] = (lease.id, now, drain_pids)
             self.store.drain(dirty, lease.id, drain_pids, now)
+
+    def stop(self, lease: Lease, cont: bool = False) -> None:
+        """Once a lease's end is stored: SIGTERM its process groups (SIGKILL after ``term_timeout``). ``cont``: its
+        processes were suspended (SIGSTOP): SIGCONT first, so that they can handle the SIGTERM and exit."""
+        alive = {p: t for p, t in lease.processes.items() if _alive(p, t)}
+        if alive:
+            for pid, ticks in alive.items():
+                if cont:
+                    signal_group(pid, ticks, signal.SIGCONT)
+                if signal_group(pid, ticks, signal.SIGTERM):
+                    log.info("Lease %s ended: SIGTERM to process group of %s", lease.id, pid)
+            self.kills[lease.id] = (self.clock.now() + self.policy.term_timeout, alive)
 
     def check_attach(self, pid: int, who: Identity) -> ProcInfo:
         """A process the caller may attach to a lease: alive here, the caller's own, the caller or a descendant."""
@@ -164,16 +175,29 @@ class Enforcer:
         self.pressure = self.pressure_now(now)
         mark, warn_before = pol.idle_mark_seconds, pol.warn_before_seconds
         warn_after: dict[float, float] = {}  # idle timeout -> self.warn_after(it)
+        self._suspended(now)
+        suspend, report = bool(pol.suspend_idle), float(pol.suspend_report_seconds)
         for lease in list(self.state.holding()):
             if lease.state not in HOLDING:
                 continue  # ended during this tick (an end hands GPUs on at once without a loop: a preemption)
-            if lease.expires_at is not None and now >= lease.expires_at:
-                ops.end(lease, LeaseState.EXPIRED, "expired")
-                continue
             if lease.request.heartbeat and self.heartbeat_lost(lease, now):
                 log.info("Lease %s of %s ends (holder_gone): no heartbeat for %.0f s (heartbeat_timeout %g s)",
                          lease.id, lease.user, now - lease.last_heartbeat, pol.heartbeat_timeout)
                 ops.end(lease, LeaseState.REVOKED, "holder_gone")
+                continue
+            expires = lease.expires_at
+            if expires is not None and now >= expires:  # (a suspendable lease was asked before: see below)
+                ops.end(lease, LeaseState.EXPIRED, "expired")
+                continue
+            ask = lease.suspension
+            if ask is not None:  # asked to suspend: its holder reports, or at the deadline what it replaced happens
+                if now >= ask.deadline:
+                    self.fall_back(lease, "")
+                continue
+            # a time limit is kept to the second (reservations start after it): a suspendable lease is asked
+            # suspend_report_seconds before it, and its holder reports by then
+            if suspend and expires is not None and now >= expires - report and ops.ask_suspend(
+                    lease, "expired", deadline=expires):
                 continue
             pids = lease.pids
             if pids and self.probe.lease_active(lease.id, pids, samples, lease.devices):
@@ -181,7 +205,8 @@ class Enforcer:
             idle_for = now - lease.last_activity
             timeout, pressed = self.idle_timeout(lease)
             if timeout and idle_for >= timeout:
-                ops.end(lease, LeaseState.REVOKED, "idle_pressure" if pressed else "idle")
+                if not (suspend and ops.ask_suspend(lease, "pressure" if pressed else "idle")):
+                    ops.end(lease, LeaseState.REVOKED, "idle_pressure" if pressed else "idle")
                 continue
             if lease.state != LeaseState.IDLE and idle_for >= min(mark, timeout or 1e18):
                 ops.mark_idle(lease)
@@ -198,6 +223,43 @@ class Enforcer:
                 and now >= lease.expires_at - warn_before
             ):
                 self._warn(lease, "expiry", lease.expires_at)
+
+    def _suspended(self, now: float) -> None:
+        """Suspended leases hold no GPU and are never idle or expired; one whose holder stopped beating (its kernel
+        is gone), or that stayed suspended longer than ``suspend_max_seconds``, ends (its processes are continued,
+        then stopped: ``stop``)."""
+        longest = float(self.policy.suspend_max_seconds)
+        for lease in list(self.state.suspended.values()):
+            if lease.state != LeaseState.SUSPENDED or lease.suspension is None:
+                continue
+            if lease.request.heartbeat and self.heartbeat_lost(lease, now):
+                log.info("Suspended lease %s of %s ends (holder_gone): no heartbeat for %.0f s", lease.id, lease.user,
+                         now - lease.last_heartbeat)
+                self.ops.end(lease, LeaseState.REVOKED, "holder_gone")
+            elif longest and now - lease.suspension.since >= longest:
+                log.info("Suspended lease %s of %s ends: suspended for %.0f s (suspend_max_seconds %g)", lease.id,
+                         lease.user, now - lease.suspension.since, longest)
+                self.ops.end(lease, LeaseState.REVOKED, "suspended_too_long")
+
+    def fall_back(self, lease: Lease, text: str) -> None:
+        """A holding lease asked to suspend was not (its holder said it could not: ``text``, or did not report by
+        the deadline): the broker does what it would have done without suspension: the revocation the ask replaced
+        (idle, pressure, expiry; a preemption's 'preempted'); an ask of the holder's own or an admin's is withdrawn.
+        The holder's words go into the lease's reason (after ';': ``core.words.ended_text``)."""
+        ask = lease.suspension
+        if ask is None or ask.suspended or lease.state not in HOLDING:
+            return
+        note = ";" + SUSPEND_FAILED + reason_slug(text, "") if text else ""
+        log.info("Lease %s of %s was not suspended (%s): %s", lease.id, lease.user, ask.why,
+                 text or f"no report within {self.policy.suspend_report_seconds:g} s")
+        if ask.why == "expired":
+            self.ops.end(lease, LeaseState.EXPIRED, "expired" + note)
+        elif ask.why in ("idle", "pressure"):
+            self.ops.end(lease, LeaseState.REVOKED, ("idle_pressure" if ask.why == "pressure" else "idle") + note)
+        elif ask.why == "preempted":
+            self.ops.end(lease, LeaseState.REVOKED, PREEMPTED + note)
+        else:
+            self.ops.commit(lease, Change(suspension=RESUMED, event="suspend_withdrawn"))
 
     def heartbeat_lost(self, lease: Lease, now: float) -> bool:
         """No heartbeat from the lease's holder for ``heartbeat_timeout``; a holder process the broker watches is

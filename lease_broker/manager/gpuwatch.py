@@ -84,6 +84,9 @@ class GpuWatch:
                 pids = lease.pids
                 for d in lease.devices:
                     out.setdefault(d, []).extend(pids)
+            elif lease.state == LeaseState.SUSPENDED and lease.suspension is not None:  # (stopped: not unleased)
+                for d in lease.suspension.devices:
+                    out.setdefault(d, []).extend(lease.pids)
         for gpu_id, (_lease, _since, pids) in self.enforcer.draining.items():
             out.setdefault(gpu_id, []).extend(pids)
         return out

@@ -3,13 +3,14 @@ reservation windows and the incremental leases that may grow."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from ..core.lease import Lease
-from ..core.scheduler import Growing, Pending, Reservation
+from ..core.lease import RESUMED, Change, Lease, LeaseState
+from ..core.scheduler import Grant, Growing, Pending, Reservation
 from ..policy.lease_policy import LeasePolicy
 from ..policy.limits import DAY
 from .accounting import Accounting
@@ -32,6 +33,7 @@ class Planning:
         self.full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
         self.plan: dict[str, Reservation] = {}  # the latest pass's reservations: event passes keep what holds
         self.cursor = 0  # where in the queue the next full pass's window (full_pass_depth) starts
+        self.held_back: dict[str, set[str]] = {}  # queued request -> the suspended leases it asked (``resuming``)
 
     def select(self, now: float) -> tuple[Iterable[Pending], bool]:
         """The requests the next pass looks at, in queue order, and whether it is a full pass.
@@ -77,6 +79,34 @@ class Planning:
         rest = heapq.merge(more, q.window(start, window), key=q.order_key)
         return itertools.chain(pending, _once(rest, seen)), full
 
+    def resuming(self, lease: Lease) -> None:
+        """Keep the queue's entry of a suspended lease current (the owner's commit calls this at each change of a
+        suspended lease, or of one that was, and when a request leaves the queue): queued for its GPUs while it wants
+        them back (``suspension.resume``), before new requests of its class (``Queue``: ``Pending.resuming``); out
+        of the queue once granted or ended. A lease suspended for a request (``by_lease``) queues once that request
+        has left the queue: it does not take back the GPUs it gave."""
+        q, s = self.state.queue, lease.suspension
+        if lease.state != LeaseState.SUSPENDED and lease.id in self.held_back:  # a preempting request was served
+            for vid in self.held_back.pop(lease.id):
+                victim = self.state.leases.get(vid)
+                if victim is not None:
+                    self.resuming(victim)
+        if lease.state == LeaseState.QUEUED:
+            return
+        wants = lease.state == LeaseState.SUSPENDED and s is not None and s.suspended and s.resume
+        if wants and s is not None and s.by_lease:
+            by = self.state.leases.get(s.by_lease)
+            if by is not None and by.state == LeaseState.QUEUED:
+                self.held_back.setdefault(by.id, set()).add(lease.id)
+                wants = False
+        if wants and lease.id not in q:
+            q.add(resume_pending(lease), 0.0)
+            self.arrived.append(lease.id)
+        elif not wants and lease.id in q:
+            q.remove(lease.id)
+            self.state.planned.pop(lease.id, None)
+            self.state.waiting.pop(lease.id, None)
+
     def scores(self, now: float, users: set[str]) -> dict[str, float]:
         """The fair-share score of those of ``users`` whose score is not 0 (absent: 0): decayed past usage divided by
         their weight (lower goes first)."""
@@ -106,6 +136,45 @@ class Planning:
                 "budget": budget, "reservations": self.reservations.windows(now),
                 "growing": growing, "ordered": True, "plan": self.plan,
                 "all_exclusive": self.state.queue.all_exclusive(), "shortest": self.state.queue.shortest()}
+
+
+def resume_seconds(lease: Lease) -> float:
+    """The time limit a suspended lease gets when it resumes: what it had left when a preemption suspended it (it
+    keeps the time it was promised), else its whole duration (an idle, pressure or time-limit suspension, or its
+    own: its next cell starts afresh)."""
+    s = lease.suspension
+    if s is not None and s.why == "preempted":
+        return max(s.remaining, 1.0)
+    return lease.duration_seconds
+
+
+def resume_pending(lease: Lease) -> Pending:
+    """A suspended lease that wants its GPUs back as a pass sees it: as many GPUs as it left, only of the model it
+    left (CUDA restores a checkpoint onto the same chip type only), its own GPUs first (``prefer``), for the time
+    limit it resumes with, in its class before new requests (``resuming``), by its original arrival."""
+    s = lease.suspension
+    assert s is not None
+    req = lease.request
+    if not req.shared:
+        n = len(s.devices) or req.min_gpus
+        req = dataclasses.replace(req, min_gpus=n, max_gpus=n, grow=False)
+    if s.model:
+        req = dataclasses.replace(req, gpu_type=s.model)
+    return Pending(lease.id, lease.user, req, lease.seq, resume_seconds(lease), lease.created_at, s.devices,
+                   resuming=True)
+
+
+def resumed(lease: Lease, grant: Grant, now: float) -> Change:
+    """The one change that grants a suspended lease its GPUs again: granted (reason "resumed") on the pass's
+    devices, its time limit restarted (``resume_seconds``), its suspension cleared and its suspended time added to
+    ``suspended_seconds`` (not charged: fair share, budgets and usage count the held time only)."""
+    s = lease.suspension
+    since = s.since if s is not None and s.since else now
+    return Change(state=LeaseState.GRANTED, reason="resumed", devices=grant.gpu_ids, node=grant.node,
+                  granted_at=now,  # (its held time so far was charged when it was suspended: GpuTable.sync)
+                  expires_at=now + resume_seconds(lease), suspension=RESUMED,
+                  suspended_seconds=lease.suspended_seconds + max(0.0, now - since), last_activity=now,
+                  last_heartbeat=max(lease.last_heartbeat, now))
 
 
 def _once(pending: Iterable[Pending], seen: set[str]) -> Iterator[Pending]:

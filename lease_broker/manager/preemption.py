@@ -5,6 +5,16 @@ attached processes), may checkpoint during the grace, then is revoked with reaso
 Victims are chosen for the first blocked request of a preempting class: on the node where the fewest GPUs
 must be taken, lowest class first, youngest lease first. Nothing is taken while an earlier warning is pending
 for the same request.
+
+Preemption by suspension (``LeasePolicy.preempt_mode = "suspend"``): a blocked request that may suspend others
+(``may_suspend``: its class, size and time limit) asks suspendable leases of no higher class to suspend instead
+(``LeaseOps.ask_suspend``, why "preempted", ``resume`` set: they queue for GPUs of their model as soon as they are
+suspended, before new requests of their class). A victim has held its GPUs ``suspend_min_runtime_seconds`` since
+its grant or resume, and has spent at most ``suspend_max_share`` of its life (since its request) suspended (the starvation bound);
+among them the fewest that free the GPUs it needs (on one node for a node-local gang), least suspended time first,
+then the youngest. No new asks while earlier asks for the same request are pending; a holder that does not report
+in time is revoked as without suspension (the enforcer's fallback). Leases that cannot be suspended are taken only
+as ``preempt_grace_seconds`` says.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import logging
 import signal
 from typing import Any
 
+from ..core.gpufit import fits
 from ..core.lease import HOLDING, WITHDRAWN, Change, Lease, LeaseState, Preempting
 from ..core.reservation_windows import window_slots
 from ..host.procs import signal_group
@@ -50,13 +61,7 @@ class Preemption:
         if cap > 0 and held_by.get(p.user, 0.0) + (p.request.fraction if p.request.shared else need) > cap:
             return None  # waiting on its own cap: taking others' GPUs would not help
         held = {d for lease in self.state.holding() for d in lease.devices}
-        blocked = set(self.enforcer.draining) | set(self.enforcer.unhealthy)
-        if self.reservations.live:  # GPUs a reservation of others needs before p would end
-            end = now + p.duration_seconds
-            slots = self.enforcer.slot_index(now).all()
-            for gpu_id, ws in window_slots(slots, self.reservations.windows(now), now).items():
-                if any(p.user not in w.members and end > w.start for w in ws):
-                    blocked.add(gpu_id)
+        blocked = self._blocked(p, now)
         groups: dict[str, list[str]] = {}
         for g in self.state.gpus:
             groups.setdefault("*" if p.request.locality == "any" else g.node, []).append(g.id)
@@ -80,6 +85,85 @@ class Preemption:
             if free >= need and (best is None or len(taken) < len(best)):
                 best = taken
         return best if best else None
+
+    def _blocked(self, p: Lease, now: float) -> set[str]:
+        """GPUs ``p`` cannot get however many leases are taken: draining, unhealthy, or held by a reservation of
+        others before ``p`` would end."""
+        blocked = set(self.enforcer.draining) | set(self.enforcer.unhealthy)
+        if self.reservations.live:
+            end = now + p.duration_seconds
+            slots = self.enforcer.slot_index(now).all()
+            for gpu_id, ws in window_slots(slots, self.reservations.windows(now), now).items():
+                if any(p.user not in w.members and end > w.start for w in ws):
+                    blocked.add(gpu_id)
+        return blocked
+
+    # ------------------------------------------------------------------ preemption by suspension
+    def may_suspend(self, p: Lease) -> bool:
+        """Whether the queued request ``p`` may suspend others (``preempt_mode`` "suspend"): its class is in
+        ``suspend_classes`` ([] = every class), it asks for at most ``suspend_max_gpus`` GPUs (0 = any) and its
+        time limit is at most ``suspend_max_duration_seconds`` (0 = any)."""
+        pol, req = self.policy, p.request
+        if pol.preempt_mode != "suspend":
+            return False
+        if pol.suspend_classes and req.priority not in pol.suspend_classes:
+            return False
+        if pol.suspend_max_gpus and (1 if req.shared else req.min_gpus) > pol.suspend_max_gpus:
+            return False
+        return not (pol.suspend_max_duration_seconds and p.duration_seconds > pol.suspend_max_duration_seconds)
+
+    def suspendable(self, lease: Lease, rank: int, now: float) -> bool:
+        """Whether a holding lease may be asked to suspend for a request of class rank ``rank``: its holder can
+        suspend it (``request.suspendable``), it is exclusive, of no higher class, not already asked or warned, has
+        held its GPUs ``suspend_min_runtime_seconds`` since its grant or resume, and has spent at most
+        ``suspend_max_share`` of its life (since its request) suspended."""
+        pol = self.policy
+        if not lease.request.suspendable or lease.request.shared or lease.suspension is not None:
+            return False
+        if lease.preempting is not None or pol.priority_classes.get(lease.request.priority, 0) > rank:
+            return False
+        if now - (lease.granted_at if lease.granted_at is not None else now) < pol.suspend_min_runtime_seconds:
+            return False  # (a resume grants it again: granted_at is when it last got GPUs)
+        return lease.suspended_seconds <= pol.suspend_max_share * max(0.0, now - lease.created_at)
+
+    def choose_suspended(self, p: Lease, now: float) -> list[Lease] | None:
+        """The leases to ask to suspend for ``p``: those that, with the idle GPUs of its type, free the GPUs it needs
+        (on one node for a node-local request), least suspended time first, then the youngest; among the nodes,
+        the one where the fewest must be asked (then the least suspended time). None: no such set."""
+        ranks = self.policy.priority_classes
+        rank = ranks.get(p.request.priority, 0)
+        need = 1 if p.request.shared else p.request.min_gpus
+        cap = self.policy.user_cap(p.user)
+        if cap > 0 and self.state.table.held_by_user.get(p.user, 0.0) + (
+                p.request.fraction if p.request.shared else need) > cap:
+            return None  # waiting on its own cap: suspending others would not help
+        aliases = self.policy.gpu_type_aliases()
+        blocked = self._blocked(p, now)
+        usable = {g.id for g in self.state.gpus if g.id not in blocked and not g.mig and fits(g, p.request, aliases)}
+        held = {d for lease in self.state.holding() for d in lease.devices}
+        groups: dict[str, set[str]] = {}
+        for g in self.state.gpus:
+            if g.id in usable:
+                groups.setdefault("*" if p.request.locality == "any" else g.node, set()).add(g.id)
+        cands = sorted((lease for lease in self.state.holding() if self.suspendable(lease, rank, now)),
+                       key=lambda lease: (lease.suspended_seconds, -(lease.granted_at or 0.0), -lease.seq))
+        best: tuple[int, float] | None = None
+        chosen: list[Lease] | None = None
+        for members in groups.values():
+            free = len(members - held)
+            taken: list[Lease] = []
+            for lease in cands:
+                if free >= need:
+                    break
+                on = [d for d in lease.devices if d in members]
+                if on:
+                    taken.append(lease)
+                    free += len(on)
+            if free >= need and taken:
+                key = (len(taken), sum(lease.suspended_seconds for lease in taken))
+                if best is None or key < best:
+                    best, chosen = key, taken
+        return chosen
 
     def warn(self, victim: Lease, by: Lease, grace: float, now: float) -> None:
         deadline = now + grace
@@ -122,18 +206,34 @@ class Preemption:
             elif now >= w.deadline:
                 self.warned.discard(vid)
                 self.ops.end(victim, LeaseState.REVOKED, REASON)
-        if not grace_of:
+        suspending = self.policy.preempt_mode == "suspend"
+        if not grace_of and not suspending:
             return
         waiting_for = {w.by_lease for vid in self.warned if (v := leases.get(vid)) and (w := v.preempting)}
+        if suspending:  # the requests whose asks are pending (a holder reports within suspend_report_seconds)
+            waiting_for.update(s.by_lease for lease in self.state.holding()
+                               if (s := lease.suspension) is not None and not s.suspended and s.by_lease)
         tried = 0
         for q in self.state.queue.head(self.policy.queue_depth):
             lid = q.lease_id
             p = leases.get(lid)
-            if p is None or p.state != LeaseState.QUEUED or p.request.priority not in grace_of or lid in waiting_for:
+            if p is None or p.state != LeaseState.QUEUED or lid in waiting_for:
+                continue
+            may_suspend = suspending and self.may_suspend(p)
+            if not may_suspend and p.request.priority not in grace_of:
                 continue
             if tried == MAX_TRIED:
                 return
             tried += 1
+            asked = self.choose_suspended(p, now) if may_suspend else None
+            if asked:
+                for v in asked:
+                    log.info("Lease %s of %s asked to suspend for lease %s of %s (preemption by suspension)",
+                             v.id, v.user, p.id, p.user)
+                    self.ops.ask_suspend(v, REASON, by=p, resume=True)
+                return  # one request at a time: the next pass sees the new state
+            if p.request.priority not in grace_of:
+                continue
             victims = self.choose_victims(p, self.warned, now)
             if not victims:
                 continue

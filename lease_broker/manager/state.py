@@ -28,6 +28,7 @@ class LiveState:
         self.queue = Queue(ranks)  # queued requests in scheduling order
         self.planned: dict[str, float] = {}  # queued lease id -> planned start (the latest pass's estimate)
         self.waiting: dict[str, str] = {}  # queued lease id -> why it waits (the latest pass that looked at it)
+        self.suspended: dict[str, Lease] = {}  # SUSPENDED leases (they hold no GPU), kept by the owner's commit
 
     def set_gpus(self, gpus: list[GPU]) -> None:
         self.gpus, self.gpu_by_id = gpus, {g.id: g for g in gpus}
@@ -75,3 +76,11 @@ class LeaseOps(Protocol):
 
     def commit(self, lease: Lease, change: Change) -> None:
         """Change a fact of a lease (its state, times, warnings, preemption): the one mutation path."""
+
+    def ask_suspend(self, lease: Lease, why: str, *, by: Lease | None = None, resume: bool = False,
+                    deadline: float | None = None) -> bool:
+        """Ask a holding, suspendable lease's holder to suspend its processes (``Suspension``: ``why`` idle,
+        pressure, expired, preempted (``by``: the request that takes its GPUs), user or admin; ``resume``: it wants
+        its GPUs back as soon as they are free). The holder reports (``suspended``) within
+        ``suspend_report_seconds`` (or by ``deadline``, when sooner: a time limit), else the broker does what it would have done (``Enforcer.fall_back``). Returns
+        whether the lease is asked now (False: it is not suspendable, not holding, or asked already)."""

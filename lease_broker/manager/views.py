@@ -14,7 +14,7 @@ from ..core.fractional import held_memory, shared_env
 from ..core.gpu import GPU, GpuSample
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
-from ..core.words import ended_text
+from ..core.words import ended_text, suspend_asked_text, suspended_text
 from ..host.procs import mps_running
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
@@ -68,6 +68,33 @@ def idle_countdown(lease: Lease, timeout: float, now: float, idle_mark: float) -
     return lease.last_activity + timeout
 
 
+def phase(state: LeaseState) -> str:
+    """What the state means for clients: queued, holding, suspended or ended."""
+    if state.terminal:
+        return "ended"
+    if state.holding:
+        return "holding"
+    return "suspended" if state == LeaseState.SUSPENDED else "queued"
+
+
+def suspension_view(lease: Lease, now: float) -> dict[str, Any]:
+    """``suspend`` (an ask pending on a holding lease), ``suspended`` (a SUSPENDED lease) and ``suspended_seconds``
+    (in every suspension, the current one so far), with the broker's words."""
+    s = lease.suspension
+    asked = suspended = None
+    total = lease.suspended_seconds
+    if s is not None and lease.state in HOLDING and not s.suspended:
+        asked = {"why": s.why, "deadline": s.deadline,
+                 "text": suspend_asked_text(s.why, s.by_user, s.deadline, now)}
+    elif s is not None and lease.state == LeaseState.SUSPENDED:
+        total += max(0.0, now - s.since)
+        suspended = {"why": s.why, "since": s.since, "resume": s.resume, "devices": list(s.devices), "model": s.model,
+                     "how": s.how,
+                     "text": suspended_text(s.why, s.by_user, s.since, s.resume, len(s.devices) or
+                                            lease.request.min_gpus, s.model, now)}
+    return {"suspend": asked, "suspended": suspended, "suspended_seconds": total}
+
+
 def lease_view(
     lease: Lease,
     gpus: dict[str, GPU],
@@ -93,7 +120,7 @@ def lease_view(
         "id": lease.id,
         "user": lease.user,
         "state": lease.state.value,
-        "phase": "ended" if lease.state.terminal else "holding" if lease.state.holding else "queued",
+        "phase": phase(lease.state),
         "reason": lease.reason,
         "created_at": lease.created_at,
         "granted_at": lease.granted_at,
@@ -215,6 +242,7 @@ class Views:
                        else None)
         out["reason_text"] = (ended_text(lease.state.value, lease.reason, **ended_facts(lease))
                               if lease.state.terminal else None)
+        out.update(suspension_view(lease, now))
         return out
 
     def start(self, lease_id: str, span: Span | None,
@@ -287,8 +315,9 @@ class Views:
         memo: dict[str, str] = {}  # the words every request waiting for busy GPUs shares
         for pos, p in enumerate(self.state.queue, 1):
             lease = leases.get(p.lease_id)
-            if lease is None or lease.state != LeaseState.QUEUED:
+            if lease is None or lease.state not in (LeaseState.QUEUED, LeaseState.SUSPENDED):
                 continue
+            s = lease.suspension if lease.state == LeaseState.SUSPENDED else None  # a resume waiting for GPUs
             mine = may_see(lease, viewer)
             estimate, estimate_range, estimate_text = self.start(lease.id, starts.get(lease.id), now)
             out.append(
@@ -303,7 +332,8 @@ class Views:
                     "gpu_type": lease.request.gpu_type,
                     "gpu_mem": lease.request.gpu_mem,
                     "priority": lease.request.priority,
-                    "waited_seconds": max(0.0, now - lease.created_at),
+                    "waited_seconds": max(0.0, now - (lease.created_at if s is None else s.since)),
+                    "resuming": s is not None,
                     "estimated_start": estimate,
                     "estimated_start_range": list(estimate_range) if estimate_range is not None else None,
                     "estimate_text": estimate_text,
@@ -427,6 +457,9 @@ class Waits:
 def ended_facts(lease: Lease) -> dict[str, Any]:
     """What the sentence of an ended lease may say (``core.words.ended_text``'s keywords)."""
     end = lease.ended_at or lease.last_activity
+    s = lease.suspension
+    since = s.since if s is not None and s.suspended else end
     return {"idle_seconds": max(0.0, end - lease.last_activity),
-            "held_seconds": max(0.0, end - lease.granted_at) if lease.granted_at is not None else 0.0,
-            "silent_seconds": max(0.0, end - lease.last_heartbeat)}
+            "held_seconds": max(0.0, min(end, since) - lease.granted_at) if lease.granted_at is not None else 0.0,
+            "silent_seconds": max(0.0, end - lease.last_heartbeat),
+            "suspended_seconds": max(0.0, end - since)}

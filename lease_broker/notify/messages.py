@@ -2,9 +2,10 @@
 
 Kinds a user can choose (``gpulease notify``):
 
-- ``granted``: a request that waited in the queue got its GPUs;
+- ``granted``: a request that waited in the queue got its GPUs, or a suspended lease got GPUs again (resumed);
 - ``warning``: a lease will be revoked for idleness, will expire, or is about to be preempted;
-- ``ended``: a lease was revoked, expired, preempted or failed (not released by its holder);
+- ``ended``: a lease was revoked, expired, preempted or failed (not released by its holder), or suspended (its GPUs
+  went to others; its processes keep their state in host memory);
 - ``bg``: a ``%%gpu --bg`` cell's lease ended (the background cell finished).
 """
 
@@ -69,6 +70,16 @@ def message(event: dict[str, Any], now: float | None = None) -> Message | None:
             return Message(f"{lid}:granted", "granted", user, lid, f"GPU lease {lid} granted",
                            f"Your GPU request {lid}{_where(lease)} was granted after {duration_text(waited)} in the queue: "
                            f"{_gpus(lease)}, until {_clock(lease.get('expires_at'))}.")
+        suspended = lease.get("suspended")
+        if change == "suspended" and suspended:
+            return Message(f"{lid}:suspended:{suspended.get('since')}", "ended", user, lid, f"GPU lease {lid} suspended",
+                           f"Your GPU lease {lid}{_where(lease)} is {suspended.get('text') or 'suspended'}. Its GPUs "
+                           "went to others; its processes keep their state in host memory.")
+        if change == "granted" and event.get("previous") == "suspended":
+            return Message(f"{lid}:resumed:{lease.get('granted_at')}", "granted", user, lid, f"GPU lease {lid} resumed",
+                           f"Your GPU lease {lid}{_where(lease)} resumed on {_gpus(lease)} after "
+                           f"{duration_text(lease.get('suspended_seconds') or 0.0)} suspended, until "
+                           f"{_clock(lease.get('expires_at'))}.")
         if lease.get("phase") != "ended" or change != lease.get("state"):
             return None
         if change not in OWN_ENDINGS:

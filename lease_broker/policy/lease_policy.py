@@ -259,6 +259,71 @@ class LeasePolicy(Configurable):
         "(a 'lease.preempting' event and SIGUSR1 to its processes) before it is revoked with reason 'preempted'. "
         "Absent = the class never preempts; 0 = no grace. Example: {'high': 300}.",
     )
+    suspend_idle = Bool(
+        True,
+        config=True,
+        help="Whether an idle, pressure or time-limit revocation of a suspendable lease (a kernel that can suspend "
+        "its worker: CUDA checkpoint, or SIGSTOP where no GPU state exists) asks it to suspend instead: its GPU state "
+        "goes to host memory, its GPUs go to others, and it resumes (on GPUs of its model) when its holder asks, "
+        "with every variable intact. A holder that cannot, or does not report within suspend_report_seconds, is "
+        "revoked as before. Example: False (revoke, as before suspension existed).",
+    )
+    suspend_report_seconds = Float(
+        60.0,
+        config=True,
+        help="How long a holder asked to suspend has to report its processes suspended; then the broker does what "
+        "it would have done without suspension (revokes the lease, or preempts it). A lease's time limit is kept: "
+        "it is asked this long before its limit runs out. Example: 120.",
+    )
+    suspend_max_seconds = Float(
+        86400.0,
+        config=True,
+        help="A lease suspended longer than this ends (revoked, reason 'suspended_too_long'), so that its "
+        "processes do not hold host memory forever. 0 = no limit. Example: 3 * 86400.",
+    )
+    preempt_mode = Enum(
+        ["revoke", "suspend"],
+        "revoke",
+        config=True,
+        help="How a blocked request takes GPUs from running leases. 'revoke': only the classes in "
+        "preempt_grace_seconds preempt, and their victims are revoked after the grace. 'suspend': a request that "
+        "may suspend others (suspend_classes, suspend_max_gpus, suspend_max_duration_seconds) asks suspendable "
+        "leases of no higher class to suspend (their GPU state goes to host memory, their processes stop); they "
+        "resume on GPUs of their model, before new requests of their class, and lose nothing. Leases that cannot "
+        "be suspended are still preempted only as 'revoke' says. Example: 'suspend'.",
+    )
+    suspend_classes = List(
+        Unicode(),
+        config=True,
+        help="With preempt_mode 'suspend': the priority classes whose requests may suspend others; [] = every "
+        "class. Example: ['normal', 'high'].",
+    )
+    suspend_max_gpus = Integer(
+        0,
+        config=True,
+        help="With preempt_mode 'suspend': only requests of at most this many GPUs may suspend others (a big "
+        "request waits as usual). 0 = any size. Example: 1.",
+    )
+    suspend_max_duration_seconds = Float(
+        0.0,
+        config=True,
+        help="With preempt_mode 'suspend': only requests whose time limit is at most this many seconds may suspend "
+        "others (short interactive cells, not long jobs). 0 = any time limit. Example: 3600.",
+    )
+    suspend_min_runtime_seconds = Float(
+        300.0,
+        config=True,
+        help="With preempt_mode 'suspend': a lease holds its GPUs at least this many seconds since its grant or "
+        "its last resume before a preemption may suspend it (each suspension costs a copy of its GPU memory both "
+        "ways). Example: 600.",
+    )
+    suspend_max_share = Float(
+        0.5,
+        config=True,
+        help="With preempt_mode 'suspend': a lease is not suspended by preemption again once the time it spent "
+        "suspended exceeds this share of its age (since its request): the starvation bound, it holds GPUs the "
+        "rest of the time. Example: 0.5.",
+    )
     user_reservation_max_gpus = Integer(
         0,
         config=True,

@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 from .metrics import compare, jain, percentile, summarize
-from .model import Cluster, Run
+from .model import Cluster, Run, Suspend
 from .policy import load_policy
 from .run import replay
 from .trace import Burst, Session, Trace, TraceError, jitter, load_bursts, load_sessions, load_trace, tile
 
 __all__ = [
-    "Burst", "Cluster", "Run", "Session", "Trace", "TraceError", "compare", "jain", "load_bursts", "load_policy",
+    "Burst", "Cluster", "Run", "Session", "Suspend", "Trace", "TraceError", "compare", "jain", "load_bursts", "load_policy",
     "jitter", "load_sessions", "load_trace", "percentile", "replay", "summarize", "tile",
 ]

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 from ..core.errors import LeaseError
 from ..core.lease import parse_duration
 from .metrics import compare, summarize
-from .model import Cluster
+from .model import GIB_PER_GPU, RESUME_SECONDS_PER_GIB, SUSPEND_SECONDS_PER_GIB, Cluster, Suspend
 from .policy import load_policy
 from .report import describe, plot
 from .run import replay
@@ -102,6 +102,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-estimates", dest="estimates", action="store_false",
                    help="do not score the start estimates (each request that queues costs a walk of the head of "
                    "the queue: a long overloaded trace replays faster without)")
+    p.add_argument("--suspendable", choices=["auto", "yes", "no"], default="auto",
+                   help="whether the lease mode's holders make their requests suspendable (issue 33): 'auto' "
+                   "(default) when the policy's preempt_mode is 'suspend' (so other policies decide as before)")
+    p.add_argument("--suspend-seconds-per-gib", type=float, default=SUSPEND_SECONDS_PER_GIB, metavar="S",
+                   help="seconds a holder takes to suspend per GiB of its GPU-memory footprint (default "
+                   f"{SUSPEND_SECONDS_PER_GIB:g}: measured through CUDA checkpoint on an H100, driver 580, "
+                   "docs/gpu-checks.md)")
+    p.add_argument("--resume-seconds-per-gib", type=float, default=RESUME_SECONDS_PER_GIB, metavar="S",
+                   help=f"seconds to resume per GiB (default {RESUME_SECONDS_PER_GIB:g}, the same measurement)")
+    p.add_argument("--gib-per-gpu", type=float, default=GIB_PER_GPU, metavar="GIB",
+                   help=f"a burst's GPU-memory footprint per GPU when the trace has no gpu_mem_gib column "
+                   f"(default {GIB_PER_GPU:g})")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
@@ -111,6 +123,11 @@ def run(args: argparse.Namespace, progress: ProgressLine | None = None) -> dict[
     if args.tile > 1:
         trace = tile(trace, args.tile)
     policy = load_policy(args.config)
+    try:
+        suspend = Suspend({"auto": None, "yes": True, "no": False}[args.suspendable], args.suspend_seconds_per_gib,
+                          args.resume_seconds_per_gib, args.gib_per_gpu)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
     idles = args.sweep or [policy.default_idle_timeout_seconds if args.idle is None else args.idle]
     t0 = time.perf_counter()
     baseline = None
@@ -119,7 +136,7 @@ def run(args: argparse.Namespace, progress: ProgressLine | None = None) -> dict[
     runs = []
     for idle in idles:
         s = summarize(replay(trace, args.cluster, policy, mode="lease", idle=idle, progress=progress,
-                             limits=args.limits, estimates=args.estimates))
+                             limits=args.limits, estimates=args.estimates, suspend=suspend))
         if baseline is not None:
             s.update(compare(s, baseline))
         runs.append(s)

@@ -53,6 +53,7 @@ def summarize(run: Run) -> dict[str, Any]:
     for lease in run.leases:
         if lease.granted_at is not None and lease.ended_at is not None:
             reserved += len(lease.devices) * (lease.ended_at - lease.granted_at)
+    reserved += run.suspended_held_gpu_s  # (a suspended lease's grant time is its last resume)
     horizon = max(run.end - run.start, 1e-9)
     cluster_time = run.cluster.total * horizon
     outcomes = run.outcomes
@@ -61,7 +62,7 @@ def summarize(run: Run) -> dict[str, Any]:
         by_size.setdefault(str(o.gpus), []).append(o.wait)
     later = [o for o in outcomes if not o.first]
     regranted = sum(1 for o in later if o.regranted)
-    cold = sum(1 for o in later if not o.warm and not o.regranted)
+    cold = sum(1 for o in later if not o.warm and not o.regranted and not o.resumed)  # a resume loses nothing
     per_owner: dict[str, list[float]] = {}
     for o in outcomes:
         acc = per_owner.setdefault(o.owner, [0.0, 0.0])
@@ -104,6 +105,60 @@ def summarize(run: Run) -> dict[str, Any]:
         "notes": list(run.notes),
         "limits": run.limits if run.mode == "lease" else None,
         "estimates": accuracy(run.told) if run.told else None,  # start estimates against real waits (if recorded)
+        "suspension": suspension(run),
+    }
+
+
+#: Request sizes the suspensions are counted by (the lease's GPUs)
+SIZES = ((1, 1, "1"), (2, 4, "2-4"), (5, 8, "5-8"), (9, 1 << 30, "9+"))
+
+
+def _size(gpus: int) -> str:
+    return next(name for lo, hi, name in SIZES if lo <= gpus <= hi)
+
+
+def suspension(run: Run) -> dict[str, Any] | None:
+    """The suspensions of a run whose holders were suspendable (None otherwise): how many (by request size, by why,
+    of running bursts), the time suspended (GPU-seconds: the lease's GPUs times the time; of running bursts, and
+    their share of the bursts' GPU-time), the suspend and resume costs paid, and whether every burst suspended
+    while it ran completed."""
+    model = run.suspend
+    if model is None:
+        return None
+    recs = run.suspended
+    by_size: dict[str, int] = {}
+    by_why: dict[str, int] = {}
+    for r in recs:
+        by_size[_size(r.gpus)] = by_size.get(_size(r.gpus), 0) + 1
+        by_why[r.why] = by_why.get(r.why, 0) + 1
+    running = [r for r in recs if r.running]
+    seconds = [((r.until if r.until is not None else run.end) - r.since, r) for r in recs]
+    bursts = [o for o in run.outcomes if o.suspensions]
+    running_gpu_s = sum(o.gpus * o.suspended for o in bursts)
+    return {
+        "source": model.source,
+        "suspend_s_per_gib": model.suspend_seconds_per_gib,
+        "resume_s_per_gib": model.resume_seconds_per_gib,
+        "gib_per_gpu": model.gib_per_gpu,
+        "suspensions": len(recs),
+        "of_running_bursts": len(running),
+        "by_size": {name: by_size[name] for _, _, name in SIZES if name in by_size},
+        "running_by_size": {name: n for _, _, name in SIZES
+                            if (n := sum(1 for r in running if _size(r.gpus) == name))},
+        "by_why": by_why,
+        "suspended_s": sum(t for t, _ in seconds),  # lease-seconds, every suspension
+        "suspended_gpu_s": sum(t * r.gpus for t, r in seconds),
+        "running_suspended_gpu_s": running_gpu_s,  # of bursts suspended while they ran
+        "running_suspended_share": running_gpu_s / run.busy_gpu_seconds if run.busy_gpu_seconds else 0.0,
+        "suspend_cost_s": sum(r.suspend_cost for r in recs),
+        "resume_cost_s": sum(r.resume_cost for r in recs),
+        "cost_gpu_s": sum(r.gpus * (r.suspend_cost + r.resume_cost) for r in recs),
+        "bursts_suspended": len(bursts),
+        "bursts_suspended_completed": sum(1 for o in bursts if o.done),
+        "all_completed": all(o.done for o in bursts),
+        "delay_s": {"p50": percentile([o.suspended + o.costs for o in bursts], 50),
+                    "max": max((o.suspended + o.costs for o in bursts), default=math.nan)},
+        "resumed_cells": sum(1 for o in run.outcomes if o.resumed),
     }
 
 

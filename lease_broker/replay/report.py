@@ -77,6 +77,9 @@ def describe(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any] | Non
                      f"cost per event p50 {_num(c['p50'], '.2f')} ms, p99 {_num(c['p99'], '.2f')} ms "
                      f"({c['n']:,} events with a pass of {s['events']:,}); replayed in {s['wall_s']:.1f} s")
     for s in summaries:
+        if s.get("suspension"):
+            lines.append(suspension_line(_label(s), s["suspension"]))
+    for s in summaries:
         if s.get("estimates"):
             lines.append(estimates_line(f"{_label(s)}, limits {s['limits']}", s["estimates"]))
     lines.append("RESERVED IDLE = held GPU-time outside bursts; RECLAIMED = GPU-time not held vs the baseline; "
@@ -84,6 +87,20 @@ def describe(summaries: Sequence[dict[str, Any]], baseline: dict[str, Any] | Non
     wall = sum(s["wall_s"] for s in every)
     lines.append(f"replayed in {wall:.2f} s")
     return "\n".join(lines)
+
+
+def suspension_line(label: str, s: dict[str, Any]) -> str:
+    """What the suspensions of one run cost and gave (``metrics.suspension``), in a line."""
+    sizes = ", ".join(f"{k} GPU: {v}" for k, v in s["by_size"].items()) or "none"
+    done = (f"every suspended burst completed ({s['bursts_suspended']})" if s["all_completed"]
+            else f"{s['bursts_suspended'] - s['bursts_suspended_completed']} suspended burst(s) did NOT complete")
+    return (f"suspension ({label}): {s['suspensions']} suspensions ({sizes}; {s['of_running_bursts']} of running "
+            f"bursts), suspended {s['suspended_gpu_s'] / 3600:.1f} GPU-h in all, running bursts "
+            f"{s['running_suspended_gpu_s'] / 3600:.1f} GPU-h ({_pct(s['running_suspended_share'])} of their GPU-time), "
+            f"delay of a suspended burst p50 {_sec(s['delay_s']['p50'])}, max {_sec(s['delay_s']['max'])}; costs paid: "
+            f"suspend {_sec(s['suspend_cost_s'])}, resume {_sec(s['resume_cost_s'])} ({s['suspend_s_per_gib']:g} s and "
+            f"{s['resume_s_per_gib']:g} s per GiB, {s['source']}; {s['gib_per_gpu']:g} GiB per GPU unless the trace "
+            f"says); {done}; {s['resumed_cells']} cells resumed their session's suspended lease")
 
 
 def _pyplot() -> Any:
@@ -142,4 +159,25 @@ def pressure_plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str) -> str 
     axes[0].set_ylabel("held-but-idle GPU-time (%)")
     fig.suptitle(f"Pressure idle timeout trade-off, {runs[0][1]['cluster']} cluster, idle timeout "
                  f"{_sec(runs[0][1]['idle_timeout_s'])}")
+    return _save(plt, fig, path)
+
+
+def suspend_plot(points: Sequence[tuple[str, float, float]], path: str, title: str) -> str | None:
+    """The interactive-first trade-off: per policy design ``(label, 1-GPU p95 wait, 8-GPU p95 wait)`` in seconds, the
+    short cells' wait against the big requests' (the first point is the default policy); None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs, ys = [max(x, 1.0) for _, x, _ in points], [y / 3600 for _, _, y in points]
+    ax.plot(xs, ys, marker="o", linestyle="none")
+    for i, ((label, _, _), x, y) in enumerate(zip(points, xs, ys, strict=True)):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4 if i % 2 else -11), fontsize=8)
+    ax.axvline(60, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(ys[0], color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to GPU, 1-GPU cells, p95 (s, log; dotted: the 60 s goal)")
+    ax.set_ylabel("time to GPU, 8-GPU requests, p95 (h; dashed: default)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
     return _save(plt, fig, path)

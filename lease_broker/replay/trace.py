@@ -1,7 +1,8 @@
 """Traces: loading and validating the bursts and sessions CSVs, and tiling them into longer ones.
 
 A *burst* is one cell execution: ``session_id,start_s,duration_s,num_gpus`` (``session_id``
-optional; extra columns ignored; ``num_gpus`` 0 = a CPU-only cell, which asks for no GPU).
+optional; ``gpu_mem_gib`` optional: its GPU-memory footprint per GPU, for the suspension costs; extra columns
+ignored; ``num_gpus`` 0 = a CPU-only cell, which asks for no GPU).
 A *session* is a notebook's life: ``session_id,start_s,stop_s,max_gpus``. Every error names
 the file, the line and the bad value.
 """
@@ -31,6 +32,7 @@ class Burst:
     gpus: int
     user: str = ""  # defaults to the session
     line: int = 0  # line in its file, for messages
+    mem_gib: float = 0.0  # its GPU-memory footprint per GPU (optional column gpu_mem_gib; 0: not given)
 
     @property
     def owner(self) -> str:
@@ -112,6 +114,7 @@ def load_bursts(path: str | Path) -> list[Burst]:
                 gpus=int(_number(p, line, row, "num_gpus", integer=True)),
                 user=(row.get("user") or "").strip(),
                 line=line,
+                mem_gib=_number(p, line, row, "gpu_mem_gib") if (row.get("gpu_mem_gib") or "").strip() else 0.0,
             )
         )
     if not out:

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ..core.lease import LeaseRequest
+from ..core.lease import HOLDING, LeaseRequest, Suspension
 from ..core.lease_use import LeaseUse
 from .lease_store import Store
 
@@ -103,13 +103,35 @@ class AdminStore:
         return [{"id": r[0], "at": r[1], "who": r[2], "source": r[3], "diff": json.loads(r[4])} for r in rows]
 
     def held_intervals(self, ended_after: float) -> list[tuple[str, str, float, float, float | None, float | None]]:
-        """(lease id, user, gpus, granted_at, ended_at, expires_at) of every lease granted and not ended before."""
+        """(lease id, user, gpus, start, end, expires_at) of every stretch in which a lease held GPUs, not ended
+        before ``ended_after``: one per lease, or one per grant and resume of a lease that was suspended (the ones
+        that ended under ids ``<lease id>~<n>``: time held before a suspension stays charged)."""
         rows = self.store.reading().execute(
-            "SELECT id, user, request, devices, granted_at, ended_at, expires_at FROM leases "
-            "WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
+            "SELECT id, user, request, devices, granted_at, ended_at, expires_at, state, suspension, suspensions "
+            "FROM leases WHERE granted_at IS NOT NULL AND (ended_at IS NULL OR ended_at > ?)",
             (ended_after,),
-        )
-        return [(r[0], r[1], _gpus(r[2], r[3]), r[4], r[5], r[6]) for r in rows]
+        ).fetchall()
+        out = []
+        for r in rows:
+            gpus = _gpus(r[2], _left(r[3], r[8]))
+            if not r[9]:
+                out.append((r[0], r[1], gpus, r[4], _held_until(r[5], r[7], r[8]), r[6]))
+                continue
+            # suspended at least once: granted_at is its last resume; each held stretch is read from its transitions
+            trans = self.db.execute("SELECT to_state, at FROM transitions WHERE lease_id=? ORDER BY id", (r[0],))
+            start: float | None = None
+            k = 0
+            for state, at in trans:
+                if state in _HELD and start is None:
+                    start = at
+                elif state not in _HELD and start is not None:
+                    k += 1  # a stretch that ended: its own id, so that a lease holding now keeps its earlier ones
+                    if at > ended_after:
+                        out.append((f"{r[0]}~{k}", r[1], gpus, start, at, at))
+                    start = None
+            if start is not None:
+                out.append((r[0], r[1], gpus, start, None, r[6]))
+        return out
 
     def usage_rows(self, since: float) -> list[dict[str, Any]]:
         """Every lease that held GPUs after ``since``, with its transitions, labels and usage figures (for the usage
@@ -139,3 +161,21 @@ class AdminStore:
 
     def learned_groups(self) -> dict[str, tuple[str, ...]]:
         return {u: tuple(json.loads(g)) for u, g in self.db.execute("SELECT user, groups FROM learned_groups")}
+
+
+_HELD = frozenset(state.value for state in HOLDING)
+
+
+def _left(devices: str, suspension: str) -> str:
+    """A suspended lease's devices column is empty: the GPUs it left count."""
+    s = Suspension.parse(suspension) if devices == "[]" and suspension else None
+    return json.dumps(list(s.devices)) if s is not None and s.devices else devices
+
+
+def _held_until(ended_at: float | None, state: str, suspension: str) -> float | None:
+    """Until when a lease held its GPUs: its end, or when it was suspended (a lease suspended now, or that ended
+    while suspended: it held none since)."""
+    s = Suspension.parse(suspension) if suspension else None
+    if s is not None and s.suspended and (ended_at is not None or state == "suspended"):
+        return s.since
+    return ended_at

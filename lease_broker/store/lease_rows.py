@@ -6,13 +6,13 @@ import json
 import sqlite3
 from typing import Any
 
-from ..core.lease import Lease, LeaseRequest, LeaseState, Preempting
+from ..core.lease import Lease, LeaseRequest, LeaseState, Preempting, Suspension
 from ..core.lease_use import LeaseUse
 
 COLUMNS = (
     "id, seq, user, uid, state, reason, request, devices, node, created_at, granted_at, expires_at, "
     "ended_at, duration_seconds, idle_timeout_seconds, last_heartbeat, last_activity, pids, secret_hash, usage, holder, "
-    "preempting"
+    "preempting, suspension, suspended_seconds, suspensions"
 )
 
 
@@ -40,6 +40,9 @@ def to_row(lease: Lease) -> tuple[Any, ...]:
         lease.use.text(),
         f"{lease.holder[0]} {lease.holder[1]}" if lease.holder is not None else "",
         lease.preempting.text() if lease.preempting is not None else "",
+        lease.suspension.text() if lease.suspension is not None else "",
+        lease.suspended_seconds,
+        lease.suspensions,
     )
 
 
@@ -76,6 +79,9 @@ def from_row(r: sqlite3.Row | tuple[Any, ...], decoded: list[Any] | None = None,
         use=LeaseUse.parse(r[19]),
         holder=_holder(r[20]),
         preempting=Preempting.parse(r[21]),
+        suspension=Suspension.parse(r[22]),
+        suspended_seconds=r[23],
+        suspensions=r[24],
     )
 
 

@@ -25,9 +25,10 @@ from .upgrade import upgrade
 log = logging.getLogger("lease_broker")
 
 # 2: leases.usage (what each lease used); 3: leases.holder (the process a lease ends with); 4: leases.preempting
-# (the preemption warning, a fact of the lease; the preemptions table folded in); added to an older store when it
-# opens (store/upgrade.py)
-SCHEMA_VERSION = 4
+# (the preemption warning, a fact of the lease; the preemptions table folded in); 5: leases.suspension,
+# suspended_seconds, suspensions (a suspended lease; the partial index leases_state lists 'suspended'); added to an
+# older store when it opens (store/upgrade.py)
+SCHEMA_VERSION = 5
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -53,9 +54,12 @@ CREATE TABLE IF NOT EXISTS leases (
     secret_hash TEXT NOT NULL DEFAULT '',
     usage TEXT NOT NULL DEFAULT '',
     holder TEXT NOT NULL DEFAULT '',
-    preempting TEXT NOT NULL DEFAULT ''
+    preempting TEXT NOT NULL DEFAULT '',
+    suspension TEXT NOT NULL DEFAULT '',
+    suspended_seconds REAL NOT NULL DEFAULT 0,
+    suspensions INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle');
+CREATE INDEX IF NOT EXISTS leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle','suspended');
 CREATE INDEX IF NOT EXISTS leases_user ON leases(user, created_at);
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -158,7 +162,7 @@ class Store:
                     f"store schema {row[0]} is newer than this broker understands ({SCHEMA_VERSION}): upgrade the broker"
                 )
             elif int(row[0]) < SCHEMA_VERSION:
-                upgrade(self.db, int(row[0]), SCHEMA_VERSION)
+                upgrade(self.db, int(row[0]), SCHEMA_VERSION, _LIVE_STATES)
         except sqlite3.Error as e:
             raise StoreError(
                 f"Cannot open the lease store {path!r}: {e}. Fix or move the file, or point "

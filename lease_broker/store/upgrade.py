@@ -8,9 +8,10 @@ import sqlite3
 log = logging.getLogger("lease_broker")
 
 
-def upgrade(db: sqlite3.Connection, version: int, target: int) -> None:
+def upgrade(db: sqlite3.Connection, version: int, target: int, live_states: str) -> None:
     """Bring a store of schema ``version`` up to ``target``, additively, in one transaction (an older broker's
-    leases stay as they were; their new columns have their defaults)."""
+    leases stay as they were; their new columns have their defaults). ``live_states``: the live states as the partial
+    index ``leases_state`` lists them ("('queued',...)"), made again when the store's lists others."""
     log.info("Lease store schema %d: upgrading to %d", version, target)
     db.execute("BEGIN IMMEDIATE")
     try:
@@ -32,6 +33,17 @@ def upgrade(db: sqlite3.Connection, version: int, target: int) -> None:
                            "FROM processes p WHERE p.lease_id = leases.id) "
                            "WHERE id IN (SELECT lease_id FROM processes)")
                 db.execute("DROP TABLE processes")
+        if "suspension" not in columns:  # 4 -> 5: a suspended lease (its suspension, time suspended, count)
+            db.execute("ALTER TABLE leases ADD COLUMN suspension TEXT NOT NULL DEFAULT ''")
+            db.execute("ALTER TABLE leases ADD COLUMN suspended_seconds REAL NOT NULL DEFAULT 0")
+            db.execute("ALTER TABLE leases ADD COLUMN suspensions INTEGER NOT NULL DEFAULT 0")
+        # the partial index of live leases lists every live state (a new one: 'suspended' in 5): CREATE INDEX IF NOT
+        # EXISTS keeps an older store's, so it is made again as this schema says (the store's live query names the
+        # same literal states, and SQLite uses the index only when they match)
+        index = db.execute("SELECT sql FROM sqlite_master WHERE type='index' AND name='leases_state'").fetchone()
+        if index is None or f"WHERE state IN {live_states}" not in index[0]:
+            db.execute("DROP INDEX IF EXISTS leases_state")
+            db.execute(f"CREATE INDEX leases_state ON leases(state) WHERE state IN {live_states}")
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(target),))
         db.execute("COMMIT")
     except BaseException:

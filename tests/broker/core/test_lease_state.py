@@ -23,6 +23,10 @@ ALLOWED = {
 for _s in (S.GRANTED, S.ACTIVE, S.IDLE):
     for _end in (S.RELEASED, S.REVOKED, S.EXPIRED, S.FAILED):
         ALLOWED.add((_s, _end))
+    ALLOWED.add((_s, S.SUSPENDED))  # its holder reported its processes suspended
+ALLOWED.add((S.SUSPENDED, S.GRANTED))  # resumed
+for _end in (S.RELEASED, S.REVOKED, S.EXPIRED, S.FAILED):
+    ALLOWED.add((S.SUSPENDED, _end))
 
 
 @pytest.mark.parametrize("a", list(S))
@@ -38,7 +42,8 @@ def test_transition_table(a, b):
 
 def test_terminal_and_holding_sets():
     assert TERMINAL == {S.RELEASED, S.REVOKED, S.EXPIRED, S.FAILED, S.CANCELLED}
-    assert HOLDING == {S.GRANTED, S.ACTIVE, S.IDLE}
+    assert HOLDING == {S.GRANTED, S.ACTIVE, S.IDLE}  # a suspended lease holds no GPU
+    assert not S.SUSPENDED.terminal and not S.SUSPENDED.holding
     assert all(not TRANSITIONS[s] for s in TERMINAL)
 
 
@@ -104,3 +109,11 @@ def test_parse_request_errors_quote_the_value(body, quoted):
 def test_parse_request_rejects_non_objects():
     with pytest.raises(BadRequest):
         parse_request([1, 2])
+
+
+def test_suspendable_is_a_request_field():
+    assert parse_request({"gpus": 1, "suspendable": True}).suspendable
+    assert not parse_request({"gpus": 1}).suspendable
+    with pytest.raises(BadRequest) as e:
+        parse_request({"gpus": 1, "suspendable": "yes"})
+    assert "suspendable" in e.value.message

@@ -217,6 +217,29 @@ def test_draining_blocks_regrant_until_nvml_shows_the_process_gone(broker_factor
         assert got["state"] == "granted" and got["devices"][0]["id"] == state.gpus[0].uuid
 
 
+def test_a_request_waiting_when_a_tick_ends_a_lease_does_not_get_the_gpu_its_processes_still_use(
+        broker_factory, state: FakeNvml, tmp_path: Path) -> None:
+    state.gpus = state.gpus[:1]
+    state.write()
+    broker = broker_factory(args=[*NVML_ARGS, "--inventory=nvml"], env=state.env())
+    c = broker.client()
+    with Worker(tmp_path) as w:
+        lease = c.request_lease(1, heartbeat=False, duration_seconds=2)
+        c.attach(lease["id"], w.pid)
+        state.procs = [FakeProc(0, w.pid, 4 << 30)]
+        state.write()
+        nxt = c.request_lease(1, heartbeat=False)
+        assert nxt["state"] == "queued"
+        # the tick that expires the lease runs a pass in the same iteration, before the SIGTERM: the drain is marked
+        # when the end is committed, so that pass cannot hand the GPU on
+        assert wait_for(lambda: c.lease(lease["id"])["state"] == "expired" or None, timeout=10, what="the expiry")
+        assert c.lease(nxt["id"])["state"] == "queued"
+        assert c.gpus()["gpus"][0]["state"] == "draining"
+        state.procs = []
+        state.write()
+        assert c.lease(nxt["id"], wait=10)["state"] == "granted"
+
+
 def test_a_gpu_that_never_drains_becomes_unhealthy(broker_factory, state: FakeNvml, tmp_path: Path) -> None:
     broker = broker_factory(args=[*NVML_ARGS, "--inventory=nvml", "--LeasePolicy.term_timeout=0.2",
                                   "--LeasePolicy.drain_timeout=1"], env=state.env())

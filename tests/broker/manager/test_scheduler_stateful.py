@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from store_helpers import iter_rows
+from store_helpers import held_stretches, iter_rows
 from table_checks import table_diffs
 
 from lease_broker.core.clock import VirtualClock
@@ -46,6 +46,8 @@ EPS = 1e-6
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    SUSPENDABLE = False  # whether its requests may be suspendable (SuspendMachine)
+
     @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]))
     def start(self, nodes: int | str) -> None:
         self.clock = VirtualClock()
@@ -68,11 +70,12 @@ class SchedulerMachine(RuleBasedStateMachine):
           duration=st.sampled_from([60, 300, 900, 1800, 3600]), priority=st.sampled_from(["low", "normal", "high"]),
           spread=st.booleans(), gpu_type=st.sampled_from(["", "", "", "A100", "H100", "V100"]),
           gpu_mem=st.sampled_from([0, 0, 0, "40G", "64G"]), notebook=st.sampled_from(["", "a.ipynb", "b.ipynb"]),
-          grow=st.booleans())
+          grow=st.booleans(), suspendable=st.booleans())
     def request(self, user: Identity, gpus: str, duration: int, priority: str, spread: bool, gpu_type: str,
-                gpu_mem: int | str, notebook: str, grow: bool) -> None:
+                gpu_mem: int | str, notebook: str, grow: bool, suspendable: bool) -> None:
         body: dict[str, object] = {"gpus": gpus, "duration_seconds": duration, "priority": priority,
-                                   "gpu_type": gpu_type, "gpu_mem": gpu_mem, "grow": grow}
+                                   "gpu_type": gpu_type, "gpu_mem": gpu_mem, "grow": grow,
+                                   "suspendable": suspendable and self.SUSPENDABLE}
         if notebook:  # warm re-grants: its notebook's last GPUs again while they are free
             body["labels"] = {"notebook": notebook}
         if spread:
@@ -217,11 +220,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             # charged: what it held up to its time limit (an ended lease that the clock's jump stopped late is
             # not the user's use), and the whole time limit of a running one
-            if lease.ended_at is not None:
-                end = min(lease.ended_at, lease.expires_at or lease.ended_at)
-            else:
-                end = max(lease.expires_at or now, now)
-            used += lease.gpu_count * max(0.0, end - max(lease.granted_at, cutoff))
+            for start, ended in held_stretches(self.m.store, lease):  # (time held before a suspension counts)
+                if ended is not None:
+                    end = min(ended, lease.expires_at or ended) if lease.suspensions == 0 else ended
+                else:
+                    end = max(lease.expires_at or now, now)
+                used += lease.gpu_count * max(0.0, end - max(start, cutoff))
         assert used <= DAY_QUOTA_U2 * 3600 + EPS, used / 3600
 
     @invariant()
@@ -348,3 +352,121 @@ class SmallFirstMachine(SchedulerMachine):
 
 def test_scheduler_machine_with_small_requests_first() -> None:
     run_machine(SmallFirstMachine, examples=40, steps=150, at_least=3000)
+
+
+SUSPEND_MAX = 4 * MAX_DURATION  # suspend_max_seconds: a suspended lease ends at the latest then
+MIN_RUNTIME = 60.0
+MAX_SHARE = 0.5
+
+
+class SuspendMachine(SchedulerMachine):
+    """The same machine with preemption by suspension (``preempt_mode = "suspend"``) and suspendable requests: the
+    broker asks leases to suspend (preemption, or by hand), their holders report (suspended, or could not), they
+    resume (by hand, or when a preemption suspended them) and end. Every invariant of the machine holds, and: a
+    suspended lease holds no GPU and no GPU is in two exclusive leases that are not suspended (the machine's own
+    check counts the holding ones only); a resumed lease is on GPUs of the model it left; every suspended lease
+    that wants its GPUs back resumes or ends; no lease is asked by a preemption before its minimum runtime, by a
+    request of a lower class, or once its suspended share of its age passed ``suspend_max_share``."""
+
+    SUSPENDABLE = True
+
+    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]))
+    def start(self, nodes: int | str) -> None:
+        super().start(nodes)
+        self.policy.preempt_mode = "suspend"
+        self.policy.suspend_max_gpus = 2
+        self.policy.suspend_min_runtime_seconds = MIN_RUNTIME
+        self.policy.suspend_max_share = MAX_SHARE
+        self.policy.suspend_max_seconds = SUSPEND_MAX
+        self.policy.suspend_report_seconds = 60.0
+        self.model_of: dict[str, str] = {}  # suspended lease -> the model it left
+        self.resume_since: dict[str, float] = {}  # suspended lease that wants its GPUs back -> since when
+
+    def owner(self, lease) -> Identity:
+        return next(u for u in USERS if u.user == lease.user)
+
+    @precondition(lambda self: any(x.state in HOLDING and x.request.suspendable and x.suspension is None
+                                   for x in self.m.leases.values()))
+    @rule(data=st.data(), why=st.sampled_from(["user", "admin"]), resume=st.booleans())
+    def ask(self, data: st.DataObject, why: str, resume: bool) -> None:
+        lease = data.draw(st.sampled_from(sorted((x for x in self.m.leases.values() if x.state in HOLDING and
+                                                  x.request.suspendable and x.suspension is None),
+                                                 key=lambda x: x.seq)))
+        assert self.m.ask_suspend(lease, why, resume=resume)
+        self.m.schedule()
+
+    @precondition(lambda self: any(x.suspension is not None and not x.suspension.suspended
+                                   for x in self.m.leases.values()))
+    @rule(data=st.data(), ok=st.sampled_from([True, True, True, False]))
+    def report(self, data: st.DataObject, ok: bool) -> None:
+        lease = data.draw(st.sampled_from(sorted((x for x in self.m.leases.values() if x.suspension is not None
+                                                  and not x.suspension.suspended), key=lambda x: x.seq)))
+        self._report(lease, ok)
+
+    @rule(seconds=st.sampled_from([1, 10, 60, 300, 900]), ok=st.sampled_from([True, True, False]))
+    def holders_report_then_time_passes(self, seconds: int, ok: bool) -> None:
+        """Every asked holder reports (as a kernel does within a second of the ask), then time passes."""
+        for lease in sorted(self.m.leases.values(), key=lambda x: x.seq):
+            if lease.suspension is not None and not lease.suspension.suspended and lease.state in HOLDING:
+                self._report(lease, ok)
+        self.advance(seconds)
+
+    def _report(self, lease, ok: bool) -> None:
+        model = self.m.gpu_by_id[lease.devices[0]].name if lease.devices else ""
+        self.m.suspended(lease.id, self.owner(lease), {"ok": True, "how": "stop"} if ok else
+                         {"ok": False, "why": "a process could not be checkpointed"})
+        if lease.state == LeaseState.SUSPENDED:
+            self.model_of[lease.id] = model
+        self.m.schedule()
+
+    @precondition(lambda self: any(x.state == LeaseState.SUSPENDED and not x.suspension.resume
+                                   for x in self.m.leases.values()))
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(sorted((x for x in self.m.leases.values() if x.state == LeaseState.SUSPENDED
+                                                  and not x.suspension.resume), key=lambda x: x.seq)))
+        self.m.resume(lease.id, self.owner(lease))
+
+    @invariant()
+    def a_suspended_lease_holds_no_gpu(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for lease in self.m.leases.values():
+            if lease.state == LeaseState.SUSPENDED:
+                assert not lease.devices and lease.suspension is not None and lease.suspension.suspended, lease.id
+                assert lease.id not in self.m.state.table.holding_by_user.get(lease.user, {}), lease.id
+            elif lease.state in HOLDING and lease.id in self.model_of:  # resumed: on GPUs of the model it left
+                assert {self.m.gpu_by_id[d].name for d in lease.devices} == {self.model_of[lease.id]}, lease.id
+                del self.model_of[lease.id]
+
+    @invariant()
+    def every_suspended_lease_that_wants_its_gpus_resumes_or_ends(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        now = self.clock.now()
+        wanting = {x.id for x in self.m.leases.values()
+                   if x.state == LeaseState.SUSPENDED and x.suspension is not None and x.suspension.resume}
+        self.resume_since = {lid: self.resume_since.get(lid, now) for lid in wanting}
+        for lid, since in self.resume_since.items():
+            assert now - since <= SUSPEND_MAX + SLACK, (lid, now - since)
+
+    @invariant()
+    def preemption_asks_only_whom_it_may(self) -> None:
+        """The starvation bound and the victim rules, checked on every pending ask of a preemption."""
+        if not hasattr(self, "m"):
+            return
+        ranks = self.policy.priority_classes
+        for lease in self.m.leases.values():
+            s = lease.suspension
+            if s is None or s.why != "preempted" or s.suspended:
+                continue
+            assert lease.request.suspendable
+            assert s.asked_at - (lease.granted_at or 0.0) >= MIN_RUNTIME - EPS, (lease.id, s)
+            assert lease.suspended_seconds <= MAX_SHARE * (s.asked_at - lease.created_at) + EPS, (lease.id, s)
+            by = self.m.leases.get(s.by_lease)
+            if by is not None:
+                assert ranks.get(lease.request.priority, 0) <= ranks.get(by.request.priority, 0), (lease.id, by.id)
+
+
+def test_scheduler_machine_with_suspension() -> None:
+    run_machine(SuspendMachine, examples=60, steps=150, at_least=5000)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lease_broker.core.lease import Lease, LeaseRequest, LeaseState, Preempting
+from lease_broker.core.lease import Lease, LeaseRequest, LeaseState, Preempting, Suspension
 from lease_broker.inventory.simulated import _NAMESPACE, SimulatedInventory, gpu_uuid
 from lease_broker.store import lease_store as store_module
 from lease_broker.store.admin_store import AdminStore
@@ -154,3 +154,32 @@ def test_a_schema_3_store_folds_its_processes_and_preemptions_into_the_leases(tm
     assert {x.id: x.processes for x in granted} == {x.id: live[x.id].processes for x in granted}
     assert live[granted[0].id].preempting == Preempting("l-9999", "bo", "high", 5.0, 35.0)
     assert not {"processes", "preemptions"} & _tables(db)
+
+
+def test_a_schema_4_store_gets_the_suspension_columns_and_a_partial_index_that_lists_suspended(tmp_path: Path) -> None:
+    """Schema 5 keeps a lease's suspension on its row; a schema-4 store gets the three columns (defaults: none,
+    0 s, 0 times) and its partial index leases_state made again with 'suspended', so that the live query (which
+    names the same states) still uses it and a suspended lease is found at a restart."""
+    db = str(tmp_path / "v4.db")
+    written = _fill(db, 4)
+    with sqlite3.connect(db) as raw:
+        for column in ("suspension", "suspended_seconds", "suspensions"):
+            raw.execute(f"ALTER TABLE leases DROP COLUMN {column}")
+        raw.execute("DROP INDEX leases_state")
+        raw.execute("CREATE INDEX leases_state ON leases(state) WHERE state IN ('queued','granted','active','idle')")
+        raw.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+    store = Store(db)
+    live = store.live()
+    assert [x.id for x in live] == [x.id for x in written]
+    assert all(x.suspension is None and x.suspended_seconds == 0 and x.suspensions == 0 for x in live)
+    lease = next(x for x in live if x.devices)
+    lease.suspension = Suspension("idle", 5.0, 65.0, 10.0, devices=tuple(lease.devices), model="H100", how="stop")
+    lease.state, lease.devices, lease.suspensions = LeaseState.SUSPENDED, [], 1
+    store.transition(lease, LeaseState.GRANTED, 10.0)
+    plan = " ".join(str(r) for r in store.db.execute("EXPLAIN QUERY PLAN " + store_module._LIVE))
+    store.close()
+    assert "leases_state" in plan
+    again = {x.id: x for x in Store(db).live()}
+    assert again[lease.id].state == LeaseState.SUSPENDED and again[lease.id].suspension == lease.suspension
+    with sqlite3.connect(db) as raw:
+        assert raw.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("5",)

@@ -168,6 +168,7 @@ def test_session_keeps_its_worker_and_is_revoked_when_idle(broker_factory, kerne
     b = broker_factory(gpus=2, args=["--tick=0.1", "--LeasePolicy.warn_before_seconds=1"], name="sess")
     k = kernel_factory(b)
     k.run("%config GpuMagics.park_sessions = False")
+    k.run("%config GpuMagics.suspend_leases = False")  # suspended sessions: test_session_suspend.py
     r1 = k.run("%%gpu --session m --idle 3s\nimport os\nmodel = [1, 2, 3]\nprint(os.getpid())")
     r2 = k.run("%%gpu --session m\nmodel.append(4)\nprint(os.getpid(), model)")
     assert r1.status == "ok" and r2.status == "ok", (r1.outputs, r2.outputs)

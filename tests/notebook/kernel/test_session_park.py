@@ -46,6 +46,8 @@ def stage(broker_factory, tmp_path: Path) -> Iterator[Any]:
     def make(gpus: int = 1, *args: str) -> tuple[Kernel, BrokerClient]:
         b = broker_factory(gpus=gpus, args=["--tick=0.1", *args], name=f"broker{len(made)}")
         made.append((Kernel(b.url, str(tmp_path / "art")), b.client()))
+        # parking is the fallback where a session cannot be suspended (test_session_suspend.py suspends)
+        assert made[-1][0].run("%config GpuMagics.suspend_leases = False").status == "ok"
         return made[-1]
 
     yield make

@@ -1,0 +1,224 @@
+"""Preemption by suspension (``LeasePolicy.preempt_mode = "suspend"``) and the scheduler's resume, through the real
+LeaseManager on a virtual clock and an in-memory store: which leases a blocked request asks to suspend (least
+suspended time first, then the youngest; never of a higher class; only after their minimum runtime; a node-local
+gang's GPUs on one node), and how a suspended lease that wants its GPUs back is granted them again (before new
+requests of its class, only on GPUs of its model, its own when free, its time limit restarted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lease_broker.core.clock import VirtualClock
+from lease_broker.core.identity import Identity
+from lease_broker.core.lease import HOLDING, LeaseRequest, LeaseState
+from lease_broker.core.pass_types import Pending
+from lease_broker.core.queue import Queue
+from lease_broker.inventory.simulated import SimulatedInventory
+from lease_broker.manager.manager import LeaseManager
+from lease_broker.policy.lease_policy import LeasePolicy
+from lease_broker.store.lease_store import Store
+
+ALICE = Identity("alice", uid=1001)
+BOB = Identity("bob", uid=1002)
+CAROL = Identity("carol", uid=1003)
+DAVE = Identity("dave", uid=1004)
+
+
+@pytest.fixture
+def make():
+    def _make(gpus=4, nodes=1, cluster="", **policy):
+        clock = VirtualClock()
+        pol = LeasePolicy(**{"heartbeat_timeout": 1e9, "default_idle_timeout_seconds": 0, "unix_groups": False,
+                             "preempt_mode": "suspend", "suspend_min_runtime_seconds": 0.0, **policy})
+        inv = SimulatedInventory(cluster=cluster) if cluster else SimulatedInventory(gpus=gpus, nodes=nodes)
+        m = LeaseManager(Store(":memory:"), inv, pol, clock=clock)
+        m.restore()
+        return m, clock
+
+    return _make
+
+
+def long_lease(m, clock, who, gpus=1, priority="normal", after=10.0, **more):
+    lease, _ = m.request(who, {"gpus": gpus, "duration_seconds": 36000, "suspendable": True, "priority": priority,
+                               **more})
+    assert lease.state == LeaseState.GRANTED, lease.state
+    clock.advance(after)
+    return lease
+
+
+def report_suspended(m, lease) -> None:
+    """Its holder reports its processes suspended (``POST .../suspended``), as a kernel does once asked."""
+    m.suspended(lease.id, Identity(lease.user, uid=lease.uid), {"ok": True, "how": "stop"})
+
+
+def asked(m) -> set[str]:
+    return {x.id for x in m.leases.values() if x.suspension is not None and not x.suspension.suspended}
+
+
+def test_the_youngest_lease_is_asked_and_the_request_gets_its_gpu_once_it_reports(make):
+    m, clock = make(gpus=2, suspend_max_gpus=1)
+    old = long_lease(m, clock, ALICE)
+    young = long_lease(m, clock, BOB)
+    req, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
+    assert req.state == LeaseState.QUEUED
+    assert asked(m) == {young.id}
+    s = young.suspension
+    assert s is not None and s.why == "preempted" and s.by_lease == req.id and s.resume
+    report_suspended(m, young)
+    s = young.suspension
+    assert young.state == LeaseState.SUSPENDED and not young.devices
+    assert req.state == LeaseState.GRANTED and req.devices == list(s.devices)
+    assert old.state in HOLDING
+    # it waits for a GPU of its model, queued before new requests of its class
+    later, _ = m.request(DAVE, {"gpus": 1, "duration_seconds": 600})
+    assert [p.lease_id for p in m.state.queue][:2] == [young.id, later.id]
+    clock.advance(100)
+    m.release(req.id, CAROL)
+    assert young.state == LeaseState.GRANTED and young.reason == "resumed"
+    assert young.devices == list(s.devices)  # its own GPU, free again
+    assert later.state == LeaseState.QUEUED
+    assert young.suspension is None and young.suspensions == 1
+    assert young.suspended_seconds == pytest.approx(100.0)
+    # a preempted lease keeps the time it had left
+    assert young.expires_at == pytest.approx(clock.now() + s.remaining)
+
+
+def test_the_least_suspended_lease_is_asked_before_a_younger_one(make):
+    m, clock = make(gpus=2, suspend_max_gpus=1, suspend_max_share=1.0)
+    a = long_lease(m, clock, ALICE, after=1000)
+    b = long_lease(m, clock, BOB, after=1000)
+    r1, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {b.id}  # the youngest
+    report_suspended(m, b)
+    clock.advance(50)
+    m.release(r1.id, CAROL)
+    assert b.state == LeaseState.GRANTED and b.suspended_seconds > 0
+    clock.advance(10)
+    m.request(DAVE, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {a.id}  # b is younger, but it was suspended already
+
+
+def test_no_lease_of_a_higher_class_and_none_before_its_minimum_runtime(make):
+    m, clock = make(gpus=2, suspend_min_runtime_seconds=300.0)
+    high = long_lease(m, clock, ALICE, priority="high", after=1000)
+    fresh = long_lease(m, clock, BOB, after=100)
+    r, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
+    assert r.state == LeaseState.QUEUED and not asked(m)  # high: a higher class; fresh: held 100 s < 300 s
+    clock.advance(200)
+    m.tick()
+    assert asked(m) == {fresh.id}
+    assert high.suspension is None
+
+
+def test_no_new_asks_while_one_for_the_request_is_pending_and_leases_that_cannot_suspend_are_left(make):
+    m, clock = make(gpus=3, suspend_max_gpus=2)
+    plain, _ = m.request(ALICE, {"gpus": 1, "duration_seconds": 36000})  # not suspendable
+    a = long_lease(m, clock, BOB)
+    b = long_lease(m, clock, DAVE)
+    r, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {b.id}
+    clock.advance(5)
+    m.tick()
+    assert asked(m) == {b.id} and a.suspension is None  # still waiting for b's report
+    assert plain.suspension is None and plain.state in HOLDING
+    assert r.state == LeaseState.QUEUED
+
+
+def test_a_request_that_may_not_suspend_others_waits(make):
+    m, clock = make(gpus=1, suspend_max_gpus=1, suspend_max_duration_seconds=3600, suspend_classes=["normal"])
+    long_lease(m, clock, ALICE)
+    for body in ({"gpus": 1, "duration_seconds": 7200}, {"gpus": 1, "duration_seconds": 600, "priority": "low"}):
+        m.request(BOB, body)
+        assert not asked(m), body
+
+
+def test_a_gang_gets_its_gpus_on_one_node(make):
+    m, clock = make(gpus=4, nodes=2, suspend_max_gpus=2)
+    big = long_lease(m, clock, ALICE, gpus=2)  # one node: the oldest lease
+    y1 = long_lease(m, clock, BOB)  # the other node: two younger leases of one GPU
+    y2 = long_lease(m, clock, DAVE)
+    assert y1.node == y2.node != big.node
+    r, _ = m.request(CAROL, {"gpus": 2, "duration_seconds": 600})
+    assert r.state == LeaseState.QUEUED
+    assert asked(m) == {big.id}  # the fewest asks that free two GPUs on one node
+    report_suspended(m, big)
+    assert r.state == LeaseState.GRANTED
+    assert {m.gpu_by_id[d].node for d in r.devices} == {m.gpu_by_id[big.suspension.devices[0]].node}
+
+
+def test_a_suspended_lease_resumes_only_on_gpus_of_its_model_its_own_when_free(make):
+    m, clock = make(cluster="1x2:A100-40GB,1x2:H100", suspend_max_gpus=1)
+    a = long_lease(m, clock, ALICE, gpu_type="A100")
+    other_a100 = long_lease(m, clock, BOB, gpu_type="A100")
+    r, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600, "gpu_type": "A100"})
+    assert asked(m) == {other_a100.id}
+    mine = tuple(other_a100.devices)
+    report_suspended(m, other_a100)
+    assert r.state == LeaseState.GRANTED and tuple(r.devices) == mine
+    model = m.gpu_by_id[mine[0]].name
+    assert other_a100.suspension is not None and other_a100.suspension.model == model
+    # two H100s are idle: it does not resume there
+    m.schedule()
+    assert other_a100.state == LeaseState.SUSPENDED
+    clock.advance(60)
+    m.release(a.id, ALICE)  # another A100 frees: it resumes there, remapped
+    assert other_a100.state == LeaseState.GRANTED
+    assert m.gpu_by_id[other_a100.devices[0]].name == model and tuple(other_a100.devices) != mine
+
+
+def test_the_queue_puts_resuming_leases_before_new_requests_of_their_class():
+    q = Queue(lambda: {"low": 0, "normal": 10, "high": 20})
+    normal, high = LeaseRequest(), LeaseRequest(priority="high")
+    q.add(Pending("new", "bob", normal, 1, 60.0), 0.0)
+    q.add(Pending("high", "bob", high, 3, 60.0), 5.0)
+    q.add(Pending("back", "alice", normal, 7, 60.0, resuming=True), 0.0)
+    q.add(Pending("back-early", "carol", normal, 2, 60.0, resuming=True), 0.0)
+    assert [p.lease_id for p in q] == ["high", "back-early", "back", "new"]
+    q.rescore(lambda u: 100.0)  # a rescore leaves resuming leases first in their class
+    assert [p.lease_id for p in q] == ["high", "back-early", "back", "new"]
+    assert q.users() == {"alice", "bob", "carol"} and q.scored_users() == {"bob"}
+    q.remove("back")
+    q.remove("back-early")
+    assert [p.lease_id for p in q] == ["high", "new"]
+
+
+def test_a_lease_suspended_for_a_request_that_left_resumes_on_its_own_gpu(make):
+    m, clock = make(gpus=1)
+    a = long_lease(m, clock, ALICE)
+    r, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {a.id}
+    m.release(r.id, BOB)  # cancelled before a's holder reported
+    left = tuple(a.devices)
+    report_suspended(m, a)
+    assert a.state == LeaseState.GRANTED and a.reason == "resumed" and tuple(a.devices) == left
+    # a request that suspends it starts first
+    clock.advance(1000)
+    r2, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {a.id}
+    report_suspended(m, a)
+    assert r2.state == LeaseState.GRANTED and a.state == LeaseState.SUSPENDED
+    assert [p.lease_id for p in m.state.queue] == [a.id]  # queued again once the request that asked it started
+    m.release(r2.id, BOB)
+    assert a.state == LeaseState.GRANTED and tuple(a.devices) == left
+
+
+def test_by_default_nothing_is_suspended_for_others(make):
+    m, clock = make(gpus=1, preempt_mode="revoke")
+    a = long_lease(m, clock, ALICE, after=10_000)
+    r, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600, "priority": "high"})
+    assert r.state == LeaseState.QUEUED and not asked(m) and a.state in HOLDING
+
+
+def test_a_lease_held_back_for_a_request_resumes_when_that_request_is_cancelled(make):
+    m, clock = make(gpus=2)
+    a = long_lease(m, clock, ALICE)
+    b = long_lease(m, clock, DAVE)
+    r, _ = m.request(BOB, {"gpus": 2, "duration_seconds": 600})
+    assert asked(m) == {a.id, b.id}
+    report_suspended(m, b)
+    assert r.state == LeaseState.QUEUED and b.state == LeaseState.SUSPENDED
+    assert b.id not in m.state.queue  # it does not take back the GPU it gave while the request waits for a's
+    m.release(r.id, BOB)
+    assert [p.lease_id for p in m.state.queue] == [b.id]  # it wants its GPU back: the next pass (a tick) grants it
+    m.tick()
+    assert b.state == LeaseState.GRANTED and b.reason == "resumed"
