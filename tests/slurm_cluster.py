@@ -65,9 +65,13 @@ def _free_ports(n: int) -> list[int]:
 
 
 class LocalSlurmCluster:
-    def __init__(self, root: Path, nodes: dict[str, int] | None = None) -> None:
+    def __init__(self, root: Path, nodes: dict[str, int] | None = None,
+                 private: dict[str, list[str]] | None = None) -> None:
+        """``private``: nodes whose slurmd (and so every step on them) runs in its own mount namespace, with an
+        empty tmpfs over each of the paths named, and over /dev/shm (``ray_cluster.private_mounts``)."""
         self.root = Path(root)
         self.nodes = dict(nodes or NODES)
+        self.private = dict(private or {})
         self.conf = self.root / "etc" / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -189,7 +193,12 @@ class LocalSlurmCluster:
         self._spawn("slurmctld", [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)])
         for name in self.nodes:
             (self.root / "spool" / name).mkdir()
-            self._spawn(f"slurmd-{name}", [_which("slurmd") or "slurmd", "-D", "-N", name, "-f", str(self.conf)])
+            slurmd = [_which("slurmd") or "slurmd", "-D", "-N", name, "-f", str(self.conf)]
+            if name in self.private:
+                from ray_cluster import private_mounts
+
+                slurmd = [*private_mounts([*self.private[name], "/dev/shm"]), *slurmd]
+            self._spawn(f"slurmd-{name}", slurmd)
         self._wait(self._all_idle, 30, "both nodes idle in sinfo")
         return self
 
@@ -275,12 +284,14 @@ class LocalSlurmCluster:
 
 
 @contextmanager
-def local_slurm_cluster(root: Path | None = None) -> Iterator[LocalSlurmCluster]:
-    """A started cluster under ``root`` (default: a new temporary directory, removed afterwards)."""
+def local_slurm_cluster(root: Path | None = None,
+                        private: dict[str, list[str]] | None = None) -> Iterator[LocalSlurmCluster]:
+    """A started cluster under ``root`` (default: a new temporary directory, removed afterwards); ``private``: see
+    ``LocalSlurmCluster``."""
     own = root is None
     # short: Slurm and munge put socket paths under it
     base = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp")) if own else Path(root)  # type: ignore[arg-type]
-    c = LocalSlurmCluster(base)
+    c = LocalSlurmCluster(base, private=private)
     try:
         c.start()
         yield c

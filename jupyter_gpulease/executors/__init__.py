@@ -10,10 +10,16 @@ starts on the GPU node without the kernel side.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .base import Executor
+
+
+def placement_kind(placement: dict[str, Any] | None) -> str:
+    """The executor a lease needs, by its view's ``placement``: the engine that placed it (``ray``, ``slurm``), else
+    ``local`` (this host). The one rule for the magics and the Python API."""
+    return str((placement or {}).get("kind") or "local")
 
 
 def executor_class(name: str) -> type[Executor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import codecs
+import contextlib
 import os
 import shutil
 import signal
@@ -19,10 +20,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from traitlets import Float, default
 from traitlets.config import LoggingConfigurable
 
-from gpulease_protocol.private import private_dir
+from gpulease_protocol.private import create_private, private_dir
 
 from ..wire import transfer
-from ..worker.env import lease_dir
+from ..worker.env import lease_dir, write_marker
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -33,11 +34,12 @@ Sink = Callable[[str], None]
 class WorkerCrashed(Exception):
     """The worker process ended without handing back a result."""
 
-    def __init__(self, status: int | None, stderr_tail: str) -> None:
+    def __init__(self, status: int | None, stderr_tail: str, how: str = "") -> None:
+        """``how``: what happened, where the exit status does not say it (a worker that stopped answering)."""
         self.status, self.stderr_tail = status, stderr_tail
-        how = _describe_status(status)
+        what = f"The GPU worker {how}." if how else f"The GPU worker {_describe_status(status)} before the cell finished."
         tail = f"\nLast lines of its stderr:\n{stderr_tail.rstrip()}" if stderr_tail.strip() else ""
-        super().__init__(f"The GPU worker {how} before the cell finished.{tail}")
+        super().__init__(f"{what}{tail}")
 
 
 def _describe_status(status: int | None) -> str:
@@ -100,6 +102,16 @@ class Worker(abc.ABC):
     def close(self) -> None:
         """Let go of the worker (its lifeline closes: it exits). May be called twice."""
 
+    def unseen(self, directory: str) -> str:
+        """'' when this worker's node sees ``directory`` of the kernel's (a worker of this host does), else the one
+        line that says it does not, with the fix (``root_unseen``)."""
+        return ""
+
+    def values_dir(self, env: dict[str, str], mode: int = 0o700) -> str | None:
+        """Where the kernel writes a job's large input values for this worker (None: this user's shm directory);
+        written there at once, never copied there later."""
+        return None
+
 
 class RelayedWorker(Worker):
     """``poll()`` for workers whose output and results reach the kernel through a relay that reads the
@@ -108,6 +120,17 @@ class RelayedWorker(Worker):
     arrive after it (in the next cell)."""
 
     _results: list[dict[str, Any]]
+    #: whether the worker's node sees the kernel's artifact directories (the marker check)
+    _root: RootCheck
+
+    def unseen(self, directory: str) -> str:
+        return "" if self._root.sees(directory) else root_unseen(self._root.node, directory)
+
+    def values_dir(self, env: dict[str, str], mode: int = 0o700) -> str | None:
+        artifacts = env.get("GPULEASE_ARTIFACTS")
+        if not self._root.sees(artifacts, mode):
+            return None  # a node without the shared root: the values travel in the messages (values_in_messages)
+        return oob_dir(artifacts, mode)
 
     @abc.abstractmethod
     def _ended(self) -> bool: ...
@@ -162,6 +185,11 @@ class Executor(LoggingConfigurable):
         """The start timeout from ``$GPULEASE_<KIND>_START_TIMEOUT``, else 120 s."""
         return float(os.environ.get(f"GPULEASE_{kind.upper()}_START_TIMEOUT", "120"))
 
+    @staticmethod
+    def env_call_timeout(kind: str) -> float:
+        """The per-call timeout from ``$GPULEASE_<KIND>_CALL_TIMEOUT``, else 5 s."""
+        return float(os.environ.get(f"GPULEASE_{kind.upper()}_CALL_TIMEOUT", "5"))
+
 
 class PlacedExecutor(Executor):
     """Workers for leases an engine placed (the lease view's ``placement.kind`` is this executor's ``kind``)."""
@@ -173,9 +201,22 @@ class PlacedExecutor(Executor):
         "Default: $GPULEASE_<KIND>_START_TIMEOUT (KIND: RAY, SLURM), else 120.",
     )
 
+    call_timeout = Float(
+        5.0,
+        config=True,
+        help="Seconds a started worker's Ray actor or Slurm relay may take to answer any one call (output, a job, "
+        "a signal) before it is taken for hung: it is killed (ray.kill; srun killed and the step cancelled), the "
+        "cell fails with a one-line error and the lease is released, e.g. 5. Apart from start_timeout. "
+        "Default: $GPULEASE_<KIND>_CALL_TIMEOUT (KIND: RAY, SLURM), else 5.",
+    )
+
     @default("start_timeout")
     def _env_start_timeout(self) -> float:
         return self.env_timeout(self.kind)
+
+    @default("call_timeout")
+    def _env_call_timeout(self) -> float:
+        return self.env_call_timeout(self.kind)
 
     def start(self, lease: LeaseView, python: str | None = None, preload: list[str] | None = None,
               session: bool = False) -> Worker:
@@ -188,15 +229,93 @@ class PlacedExecutor(Executor):
         """The engine's worker for a lease it placed."""
 
 
+def oob_dir(artifacts: str | None, mode: int = 0o700) -> str:
+    """Where values for a worker on another host travel as files: ``.oob`` in the lease's artifact directory
+    (shared storage; else this user's shm directory): directories of the user's own (``private_dir``), as the
+    worker reads only files of its own there."""
+    base = lease_dir(artifacts, mode) if artifacts else transfer.shm_dir()
+    return private_dir(os.path.join(base, ".oob"))
+
+
 def inputs_on_shared_storage(job: dict[str, Any], artifacts: str | None) -> dict[str, Any]:
-    """The job for a worker on another host: its values travel as a file, moved into the lease's artifact
-    directory (shared storage; else this user's shm directory) under ``.oob``, which the job names: directories of
-    the user's own (``private_dir``), as the worker reads only files of its own there."""
-    base = lease_dir(artifacts, int(job.get("artifacts_mode") or 0o700)) if artifacts else transfer.shm_dir()
-    oob = private_dir(os.path.join(base, ".oob"))
+    """The job for a worker on another host: its values travel as a file in ``oob_dir``, which the job names. The
+    kernel wrote them there (``Worker.values_dir``); one written elsewhere is moved, and the job's own ``inputs``
+    then name the moved file (the kernel removes it after the cell: a file the worker never read must not stay)."""
+    oob = oob_dir(artifacts, int(job.get("artifacts_mode") or 0o700))
     inputs = job.get("inputs")
     if inputs and inputs.get("file") and os.path.dirname(inputs["file"]) != oob:
         moved = os.path.join(oob, os.path.basename(inputs["file"]))
         shutil.move(inputs["file"], moved)
-        job = {**job, "inputs": {**inputs, "file": moved}}
+        inputs["file"] = moved  # in place: the caller's message, which the kernel discards after the cell
     return {**job, "oob_dir": oob}
+
+
+def root_unseen(node: str, artifacts: str) -> str:
+    """The one line for a node that does not see the kernel's artifact directory (the marker check)."""
+    root = os.path.dirname(artifacts.rstrip("/"))
+    return (f"node {node} does not see the artifact root {root} (marker missing): mount it there, or set "
+            f"GpuMagics.artifact_root to a path every node shares")
+
+
+def values_in_messages(job: dict[str, Any], unseen: str = "") -> dict[str, Any]:
+    """The job for a worker on a node that does not see the kernel's files (the marker check failed): its values
+    travel in the messages themselves (``transfer.to_inline``), both ways (``inline``), through the executor's own
+    channel (Ray's object store, the Slurm relay's stdio); ``unseen``: the line that says so (``root_unseen``),
+    which the worker prints should the cell leave files in ``$GPULEASE_ARTIFACTS`` there."""
+    return {**job, "inputs": transfer.to_inline(job.get("inputs")), "inline": True, "oob_dir": None,
+            "root_unseen": unseen}
+
+
+class RootCheck:
+    """Whether a started worker's node sees the kernel's artifact directories: the kernel writes a marker (a random
+    token, ``write_marker``) into the lease's directory, the node reads it (``ask(path, token)``, on the node:
+    ``sees_marker``). Once per directory and worker."""
+
+    def __init__(self, ask: Callable[[str, str], bool], node: str) -> None:
+        self._ask, self.node = ask, node
+        self._seen: dict[str, bool] = {}
+        self._artifacts = ""  # the lease directory of the job on its way: where the cell's files come back to
+
+    def sees(self, artifacts: str | None, mode: int = 0o700) -> bool:
+        if not artifacts:  # (an fsspec root's is a local staging directory: no node sees it)
+            return False
+        if artifacts not in self._seen:
+            try:
+                path, token = write_marker(artifacts, mode)
+            except OSError:
+                return False  # the kernel cannot write there itself: nothing shared to check
+            try:
+                self._seen[artifacts] = bool(self._ask(path, token))
+            except Exception:  # the actor or relay did not answer: not seen (its next call says what became of it)
+                self._seen[artifacts] = False
+        return self._seen[artifacts]
+
+    def job(self, job: dict[str, Any]) -> dict[str, Any]:
+        """``job`` as this worker's node can take it: values through the shared root when it sees it
+        (``inputs_on_shared_storage``), else in the messages (``values_in_messages``)."""
+        artifacts = (job.get("env") or {}).get("GPULEASE_ARTIFACTS")
+        self._artifacts = artifacts or ""
+        if self.sees(artifacts, int(job.get("artifacts_mode") or 0o700)):
+            return inputs_on_shared_storage(job, artifacts)
+        return values_in_messages(job, root_unseen(self.node, artifacts) if artifacts else "")
+
+    def files_back(self, result: dict[str, Any]) -> dict[str, Any]:
+        """A worker's result without the cell's files it brought back from a node without the shared root
+        (``files``), written into the lease's directory here, each 0600, never through a link or out of it."""
+        files = result.pop("files", None)
+        if not files or not self._artifacts:
+            return result
+        base = os.path.realpath(self._artifacts)
+        for rel, data in files.items():
+            path = os.path.normpath(os.path.join(base, rel))
+            if not path.startswith(base + os.sep):
+                continue
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                with os.fdopen(create_private(path), "wb") as f:
+                    f.write(data)
+            except OSError as e:  # e.g. the disk is full: the cell's answer still comes
+                result.setdefault("files_failed", []).append(f"{rel}: {e}")
+        return result

@@ -9,8 +9,9 @@ messages and hands back its output as it comes (the kernel polls an actor method
 actor dies (the lease ended and the broker removed the group, or the kernel killed it), the
 worker's stdin closes and the worker kills its own process group.
 
-Values over 1 MiB travel out of band as files: here in ``<lease artifact dir>/.oob``, which
-must be a path both nodes see (a shared artifact root), not the kernel's /dev/shm.
+Values over 1 MiB travel out of band as files in ``<lease artifact dir>/.oob`` where the node sees the
+kernel's artifact root (the marker check, ``base.RootCheck``); elsewhere through Ray's object store: in the
+job (the actor writes them to one file in its node's /dev/shm for the worker) and in the actor's replies.
 
 The only module on the notebook side that imports ``ray`` (lazily: importing this module
 does not need it).
@@ -29,14 +30,17 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from traitlets import Unicode, default
+
 from ..wire import transfer
-from ..worker.env import worker_env
-from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
+from ..worker.env import sees_marker, worker_env
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, RootCheck, Sink, WorkerCrashed
 
 if TYPE_CHECKING:
     from ..client import LeaseView
 
 DEFAULT_START_TIMEOUT = PlacedExecutor.env_timeout("ray")  # seconds for the actor to start
+DEFAULT_CALL_TIMEOUT = PlacedExecutor.env_call_timeout("ray")  # seconds for any one call to a started actor
 _SEQ = itertools.count(1)
 
 
@@ -58,9 +62,18 @@ class CellProcess:
         where = {"GPULEASE_NODE_IP": ray.util.get_node_ip_address(),
                  "GPULEASE_RAY_ACTOR_ID": ray.get_runtime_context().get_actor_id() or ""}
         full = worker_env({**env, **where, "GPULEASE_CTRL_FD": str(w), "CUDA_VISIBLE_DEVICES": self.visible})
+        python = python or sys.executable
+        self.error = ""
+        if not os.access(python, os.X_OK):  # said in one line by info(), not as the actor's death
+            os.close(r)
+            os.close(w)
+            self.error = (f"the worker's interpreter {python} does not exist on node {where['GPULEASE_NODE_IP']}: "
+                          "install the same Python environment at the same path on every GPU node, or point "
+                          "GpuMagics.worker_python at one that is there")
+            return
         try:
             self.proc = subprocess.Popen(
-                [python or sys.executable, "-m", "jupyter_gpulease.worker", *args], stdin=subprocess.PIPE,
+                [python, "-m", "jupyter_gpulease.worker", *args], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(w,), env=full, start_new_session=True,
                 close_fds=True,
             )
@@ -84,15 +97,25 @@ class CellProcess:
                     os.close(fd)
                 return
 
+    def sees(self, path: str, token: str) -> bool:
+        """Whether this node sees the kernel's artifact directory (the marker check: ``base.RootCheck``)."""
+        return sees_marker(path, token)
+
     def info(self) -> dict[str, Any]:
         import ray
 
+        if self.error:
+            return {"error": self.error}
         return {"pid": self.proc.pid, "node_ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(),
                 "cuda_visible_devices": self.visible, "actor_pid": os.getpid()}
 
     def submit(self, job: dict[str, Any]) -> None:
         job = dict(job)
         job["env"] = {**(job.get("env") or {}), "CUDA_VISIBLE_DEVICES": self.visible}
+        inputs = job.get("inputs")
+        if inputs and inputs.get("inline") is not None:  # values Ray brought to this node: one file, mapped there
+            path, spans = transfer.write_buffers([memoryview(b) for b in inputs["inline"]])
+            job["inputs"] = {**inputs, "inline": None, "file": path, "spans": spans}
         assert self.proc.stdin is not None
         transfer.send(self.proc.stdin, job)
 
@@ -121,7 +144,10 @@ class CellProcess:
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+            if sig == signal.SIGINT:  # like a local run: to the worker only (it raises KeyboardInterrupt)
+                os.kill(self.proc.pid, sig)
+            else:
+                os.killpg(self.proc.pid, sig)
 
     def kill(self, grace: float) -> int | None:
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
@@ -135,10 +161,35 @@ class CellProcess:
         return self._wait(timeout)
 
 
-def _connect(placement: dict[str, Any]) -> Any:
+class RayStartError(RuntimeError):
+    """The worker could not be started on the lease's node; the message says why and the fix."""
+
+
+def _moving_seconds(job: dict[str, Any]) -> float:
+    """Time, beyond ``call_timeout``, for the actor to take a job whose values travel in it (a node without the
+    shared root): Ray brings them to its node first. At least 20 MB/s."""
+    inline = (job.get("inputs") or {}).get("inline") or []
+    return sum(memoryview(b).nbytes for b in inline) / 20e6
+
+
+def _connect(placement: dict[str, Any], client_address: str = "") -> Any:
+    """Join the lease's Ray cluster: through Ray Client where ``client_address`` (``ray://head:10001``) is set, else as
+    a driver of the broker's cluster address, which needs a Ray node on this host: without one, a one-line error at
+    once (``ray.init`` would wait 60 s for one)."""
     import ray
 
     if not ray.is_initialized():
+        if client_address:
+            ray.init(address=client_address, namespace=placement.get("namespace"), log_to_driver=False,
+                     configure_logging=False)
+            return ray
+        from ray._private.services import find_node_ids
+
+        if not find_node_ids():  # how ray.init itself looks for this host's raylet
+            raise RayStartError(
+                f"no Ray node runs on this host, and joining the Ray cluster at {placement['address']} as a driver "
+                "needs one: set RayExecutor.client_address = 'ray://<head>:10001' (Ray Client; "
+                "$GPULEASE_RAY_CLIENT_ADDRESS), or start a Ray node here (ray start --address=...)")
         extra: dict[str, Any] = {"_node_ip_address": os.environ["GPULEASE_RAY_NODE_IP"]} if os.environ.get("GPULEASE_RAY_NODE_IP") else {}
         ray.init(address=placement["address"], namespace=placement.get("namespace"), log_to_driver=False,
                  configure_logging=False, **extra)
@@ -151,17 +202,22 @@ class RayWorker(RelayedWorker):
     local = False  # not a process of this host: nothing to attach to the lease by pid
 
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
-                 session: bool = False, bundle: int = 0, lease_id: str = "", start_timeout: float = DEFAULT_START_TIMEOUT) -> None:
-        self.start_timeout = start_timeout
-        ray = _connect(placement)
+                 session: bool = False, bundle: int = 0, lease_id: str = "", start_timeout: float = DEFAULT_START_TIMEOUT,
+                 call_timeout: float = DEFAULT_CALL_TIMEOUT, client_address: str = "") -> None:
+        self.start_timeout, self.call_timeout = start_timeout, call_timeout
+        ray = _connect(placement, client_address)
         from ray._raylet import PlacementGroupID
-        from ray.util.placement_group import PlacementGroup
+        from ray.util.placement_group import PlacementGroup, get_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement["placement_group_id"])))
+        if ray.util.client.ray.is_connected():  # Ray Client: the group by its name (in the broker's namespace)
+            pg = get_placement_group(placement["placement_group"])
+        else:
+            pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement["placement_group_id"])))
         gpus = float(placement["bundles"][bundle].get("gpus", 1))
         args = (["--session"] if session else []) + (["--preload", ",".join(preload)] if preload else [])
-        env = {k: v for k, v in os.environ.items() if k.startswith(("GPULEASE_", "PYTHON"))}
+        # the kernel's own settings (not what a worker must not inherit: unbuffered output and the like)
+        env = {k: v for k, v in worker_env().items() if k.startswith(("GPULEASE_", "PYTHON"))}
         # the cell may use the rest of its gang (the group's other bundles, on other nodes) through Ray itself
         env.update({"GPULEASE_RAY_ADDRESS": str(placement.get("address") or ""),
                     "GPULEASE_RAY_NAMESPACE": str(placement.get("namespace") or ""),
@@ -182,7 +238,14 @@ class RayWorker(RelayedWorker):
         except Exception:
             ray.kill(self.actor)
             raise
+        if self.info.get("error"):
+            ray.kill(self.actor)
+            raise RayStartError(self.info["error"])
         self.pid: int = self.info["pid"]
+        # values through the shared artifact root only where this node sees it, else through Ray's object store
+        self._root = RootCheck(lambda path, token: bool(
+            ray.get(self.actor.sees.remote(path, token), timeout=self.call_timeout)),
+            str(self.info.get("node_ip") or self.info.get("hostname")))
         self.ready: dict[str, Any] | None = None
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
@@ -191,6 +254,7 @@ class RayWorker(RelayedWorker):
         self._returncode: int | None = None
         self._done = False  # every pipe closed
         self._dead = ""  # the actor itself is gone: why
+        self._how = ""  # for the cell's error, where the exit status does not say it (the actor stopped answering)
 
     # ---------------------------------------------------------------- state
     def alive(self) -> bool:
@@ -203,25 +267,49 @@ class RayWorker(RelayedWorker):
     def submit(self, job: dict[str, Any]) -> None:
         import ray
 
-        job = inputs_on_shared_storage(job, (job.get("env") or {}).get("GPULEASE_ARTIFACTS"))
-        ray.get(self.actor.submit.remote(job), timeout=self.start_timeout)
+        job = self._root.job(job)
+        if self._ended():
+            return  # poll() says how
+        try:
+            ray.get(self.actor.submit.remote(job), timeout=self.call_timeout + _moving_seconds(job))
+        except ray.exceptions.GetTimeoutError:
+            self._hung("take the job")
+        except Exception as e:  # RayActorError: the actor (and so the worker) is gone
+            self._gone(e)
+
+    def _hung(self, what: str) -> None:
+        """The actor did not answer within ``call_timeout``: kill it (the worker's lifeline closes with it)."""
+        import ray
+
+        where = self.info.get("node_ip") or "its node"
+        self._how = (f"stopped answering: its Ray actor on {where} did not {what} within {self.call_timeout:g} s "
+                     "(RayExecutor.call_timeout), so the actor was killed, and the worker with it")
+        self._dead = "its Ray actor stopped answering"
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+    def _gone(self, e: BaseException) -> None:
+        self._dead = f"its Ray actor died ({type(e).__name__})"
+        self._stderr_tail += f"\n[gpulease] the worker's Ray actor is gone: {e}".encode()[:1000]
 
     # ---------------------------------------------------------------- output
     def _ended(self) -> bool:
         return bool(self._done or self._dead)
 
     def _crashed(self) -> WorkerCrashed:
-        return WorkerCrashed(self._returncode, self._tail())
+        return WorkerCrashed(self._returncode, "" if self._how else self._tail(), self._how)
 
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
         """Relay what the actor has; returns how many chunks of output (stdout/stderr) it brought."""
         import ray
 
         try:
-            events, code, still_open = ray.get(self.actor.poll.remote(timeout), timeout=timeout + self.start_timeout)
+            events, code, still_open = ray.get(self.actor.poll.remote(timeout), timeout=timeout + self.call_timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._hung("hand over the worker's output")
+            return 0
         except Exception as e:  # RayActorError: the actor (and so the worker) is gone
-            self._dead = f"its Ray actor died ({type(e).__name__})"
-            self._stderr_tail += f"\n[gpulease] the worker's Ray actor is gone: {e}".encode()[:1000]
+            self._gone(e)
             return 0
         chunks = 0
         for tag, data in events:
@@ -232,7 +320,7 @@ class RayWorker(RelayedWorker):
                     if msg.get("type") == "ready":
                         self.ready = msg
                     else:
-                        self._results.append(msg)
+                        self._results.append(self._root.files_back(msg))
                 continue
             if tag == 2:
                 self._stderr_tail = (self._stderr_tail + data)[-4000:]
@@ -259,8 +347,9 @@ class RayWorker(RelayedWorker):
     def kill(self, grace: float = 2.0) -> None:
         import ray
 
-        with contextlib.suppress(Exception):
-            self._returncode = ray.get(self.actor.kill.remote(grace), timeout=grace + self.start_timeout)
+        if not self._dead:  # the actor's kill: SIGTERM, SIGKILL after grace, then up to 5 s for the exit
+            with contextlib.suppress(Exception):
+                self._returncode = ray.get(self.actor.kill.remote(grace), timeout=grace + 5.0 + self.call_timeout)
         self.close()
 
     def wait_exit(self, timeout: float = 5.0) -> int | None:
@@ -268,7 +357,7 @@ class RayWorker(RelayedWorker):
 
         if self._returncode is None and not self._dead:
             with contextlib.suppress(Exception):
-                self._returncode = ray.get(self.actor.wait.remote(timeout), timeout=timeout + self.start_timeout)
+                self._returncode = ray.get(self.actor.wait.remote(timeout), timeout=timeout + self.call_timeout)
             if self._returncode is None:
                 self.kill(0.5)
         return self._returncode
@@ -288,7 +377,22 @@ class RayExecutor(PlacedExecutor):
 
     kind = "ray"
 
+    client_address = Unicode(
+        "",
+        config=True,
+        help="Ray Client address (ray://<head>:10001) through which the kernel starts its workers, for notebook hosts "
+        "that run no Ray node. Empty: the kernel joins the broker's cluster address as a driver, which needs a Ray node "
+        "on this host (without one the cell fails at once, naming this option). "
+        "Default: $GPULEASE_RAY_CLIENT_ADDRESS, else empty. Example: 'ray://10.0.0.5:10001'.",
+    )
+
+    @default("client_address")
+    def _env_client_address(self) -> str:
+        return os.environ.get("GPULEASE_RAY_CLIENT_ADDRESS", "")
+
     def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
                session: bool) -> RayWorker:
         assert lease.placement is not None
-        return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id, start_timeout=self.start_timeout)
+        return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id,
+                         start_timeout=self.start_timeout, call_timeout=self.call_timeout,
+                         client_address=self.client_address)

@@ -12,6 +12,12 @@
 ``map`` holds one incremental lease (``gpus_per_call``-``max_gpus``): it starts with what is free, and as
 the broker grows the lease toward ``max_gpus`` it runs more trials at once, each in its own worker on its
 own ``gpus_per_call`` GPUs. Results come back in input order.
+
+Each call's worker starts where the lease's GPUs are, through the executor the ``%%gpu`` magic would use for that
+lease (``executors.placement_kind``): a child of this process for a lease on this host, a Ray actor or a Slurm step on
+the node that Ray or Slurm placed it on. The executors take their options (``RayExecutor.start_timeout`` and the
+like) from this IPython session's configuration, where there is one. ``map`` on a lease placed on another node runs
+its calls one at a time, each on all of the lease's GPUs there.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from gpulease_protocol.requests import parse_duration, request_fields
 
 from .. import artifacts as _artifacts
 from ..client import BrokerClient
+from ..executors import executor_class, placement_kind
+from ..executors.base import Executor, Worker
 from ..executors.local import LocalWorker
 from .acquire import Heartbeater, acquire
 from .cellrun import Job, LeaseRun
@@ -36,6 +44,8 @@ from .drive import Sinks, default_sinks
 
 _heartbeaters: dict[str, Heartbeater] = {}
 _lock = threading.Lock()
+#: placement kind (``ray``, ``slurm``) -> its executor, made when a lease first needs it (as the magics keep theirs)
+_executors: dict[str, Executor] = {}
 
 
 def _heartbeater(client: BrokerClient) -> Heartbeater:
@@ -44,6 +54,30 @@ def _heartbeater(client: BrokerClient) -> Heartbeater:
         if hb is None:
             hb = _heartbeaters[client.url] = Heartbeater(BrokerClient(client.url, client.token))
         return hb
+
+
+def _start_worker(lease: Any) -> Worker:
+    """A single-use worker where the lease's GPUs are (``lease``: a ``LeaseView``): the magics' choice of executor."""
+    kind = placement_kind(lease.placement)
+    if kind == "local":
+        return LocalWorker()
+    with _lock:
+        executor = _executors.get(kind)
+        if executor is None:
+            executor = _executors[kind] = executor_class(kind)(config=_ipython_config())
+    return executor.start(lease)
+
+
+def _ipython_config() -> Any:
+    """This IPython session's configuration (``%config RayExecutor.start_timeout = 30`` applies), else none."""
+    from traitlets.config import Config
+
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return Config()
+    shell = get_ipython()
+    return shell.config if shell is not None else Config()
 
 
 def _request(gpus: Any, time_limit: str | float | None, idle: str | float | None, mem: str | int | None,
@@ -87,18 +121,24 @@ class Lease:
         return self._run.env()
 
     @property
+    def placed(self) -> bool:
+        """Whether an engine (Ray, Slurm) placed the lease on a node of its own: its calls run there."""
+        return placement_kind(self._run.lease.placement) != "local"
+
+    @property
     def artifacts(self) -> str:
         return self._run.artifacts.display_path
 
     def run(self, fn: Callable[..., Any], *args: Any, _sinks: Sinks | None = None, _visible: str | None = None,
             **kwargs: Any) -> Any:
-        """Run ``fn(*args, **kwargs)`` in a fresh worker that sees only this lease's GPUs; return its result.
-        (``_visible``: a CUDA_VISIBLE_DEVICES value of some of them, for one of several concurrent calls.)"""
+        """Run ``fn(*args, **kwargs)`` in a fresh worker that sees only this lease's GPUs, where they are (this host,
+        or the node Ray or Slurm placed the lease on); return its result. (``_visible``: a CUDA_VISIBLE_DEVICES value
+        of some of them, for one of several concurrent calls on this host.)"""
         if self._run.status == "ended":
             raise RuntimeError(f"Lease {self.id} has been released")
         job = Job("call", code=getattr(fn, "__qualname__", repr(fn)), inputs={"__gpulease_call__": (fn, args, kwargs)})
         env = {"CUDA_VISIBLE_DEVICES": _visible} if _visible is not None else None
-        outcome = self._run.run(LocalWorker(), job, _sinks or default_sinks(), self.grace, single_use=True, release=False,
+        outcome = self._run.run(_start_worker(self._run.lease), job, _sinks or default_sinks(), self.grace, single_use=True, release=False,
                                 env=env)
         return outcome.value
 
@@ -164,7 +204,7 @@ def map(fn: Callable[[Any], Any], params: Iterable[Any], gpus_per_call: int = 1,
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
 
-    def one(held: Lease, i: int, visible: str) -> None:
+    def one(held: Lease, i: int, visible: str | None) -> None:
         def prefixed(stream: Any) -> Callable[[str], None]:
             def write(text: str) -> None:
                 stream.write("".join(f"[{i}] {line}" for line in text.splitlines(keepends=True)))
@@ -185,12 +225,15 @@ def map(fn: Callable[[Any], Any], params: Iterable[Any], gpus_per_call: int = 1,
         try:
             while todo or busy:
                 visible = [d for d in held.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-                for k in range(len(visible) // per):
+                if held.placed:  # on another node: one call at a time, on all of the lease's GPUs there
+                    if 0 not in busy and todo:
+                        busy[0] = pool.submit(one, held, todo.pop(), None)
+                for k in range(0 if held.placed else len(visible) // per):
                     if k not in busy and todo:
                         busy[k] = pool.submit(one, held, todo.pop(), ",".join(visible[k * per:(k + 1) * per]))
                 wait(list(busy.values()), timeout=1.0, return_when=FIRST_COMPLETED)
                 busy = {k: f for k, f in busy.items() if not f.done()}
-                if todo and len(visible) < most:
+                if todo and not held.placed and len(visible) < most:
                     held.refresh()  # grown? more calls at once
         except BaseException:
             held.release()  # the broker stops the calls' workers: the pool below finishes at once

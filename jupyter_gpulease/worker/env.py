@@ -28,3 +28,32 @@ def lease_dir(path: str, mode: int = 0o700) -> str:
     0750 when ``GpuMagics.artifacts_group_readable``), never another user's or a link (``private_dir``)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return private_dir(path, mode)
+
+
+#: the marker file in a lease's artifact directory that shows a node sees the same directory as the kernel
+MARKER = ".gpulease-marker"
+
+
+def write_marker(directory: str, mode: int = 0o700) -> tuple[str, str]:
+    """A new random token in the marker file of the lease directory ``directory`` (made if missing: ``lease_dir``):
+    (path, token). A node that reads the same token there sees the kernel's artifact directory."""
+    from gpulease_protocol.private import create_private
+
+    path = os.path.join(lease_dir(directory, mode), MARKER)
+    token = os.urandom(16).hex()
+    tmp = f"{path}.{token[:8]}"
+    with os.fdopen(create_private(tmp), "w") as f:
+        f.write(token)
+    os.replace(tmp, path)
+    return path, token
+
+
+def sees_marker(path: str, token: str) -> bool:
+    """Whether this process (on a GPU node) reads ``token`` in the marker file ``path``."""
+    from gpulease_protocol.private import UnsafePathError, open_private
+
+    try:
+        with os.fdopen(open_private(path), "r") as f:
+            return f.read().strip() == token
+    except (OSError, UnsafePathError):
+        return False

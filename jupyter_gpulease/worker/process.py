@@ -40,6 +40,24 @@ if TYPE_CHECKING:
 _THIS_FILE = os.path.abspath(__file__).rstrip("c")
 
 
+def _reset_signals() -> None:
+    """Undo what the process that started this worker left it: a Ray actor's process starts it with SIGINT ignored
+    and blocked (an interrupt would never reach the cell), other launchers with other signals ignored. Nothing
+    blocked; what was ignored back to its default action (SIGPIPE and SIGXFSZ stay as Python itself sets them);
+    SIGINT raises KeyboardInterrupt, as in any Python program started from a shell."""
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+    keep = {_signal.SIGPIPE, getattr(_signal, "SIGXFSZ", _signal.SIGPIPE)}
+    for sig in _signal.valid_signals():
+        if sig in keep or sig == _signal.SIGINT:
+            continue
+        try:
+            if _signal.getsignal(sig) == _signal.SIG_IGN:
+                _signal.signal(sig, _signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL, SIGSTOP, real-time signals the platform reserves
+            pass
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
 def _kill_own_group() -> None:
     try:
         os.killpg(os.getpgid(0), 9)  # SIGKILL (the signal module's enums cost ~5 ms at start)
@@ -180,6 +198,10 @@ def _compile_cell(code: str, name: str, want_value: bool, header: str = "") -> t
     return compile(tree, name, "exec"), last
 
 
+class _SetupError(Exception):
+    """The worker cannot run the job as the kernel asked: the cell fails with this one line, no traceback."""
+
+
 def _prepare(job: dict[str, Any]) -> None:
     os.environ.update(job.get("env") or {})
     _limit_frameworks(job.get("env") or {})
@@ -194,8 +216,14 @@ def _prepare(job: dict[str, Any]) -> None:
     if job.get("cwd"):
         try:
             os.chdir(job["cwd"])
-        except OSError:
-            pass
+        except OSError as e:  # never run the cell silently somewhere else
+            import socket
+
+            node = os.environ.get("GPULEASE_NODE") or os.environ.get("GPULEASE_NODE_IP") or socket.gethostname()
+            raise _SetupError(f"the kernel's working directory {job['cwd']} is not usable on node {node} "
+                              f"({e.strerror}): the cell runs there as in the kernel; make that directory exist on "
+                              "every GPU node (a shared home or project directory), or change to one that does "
+                              "(%cd) before the cell") from None
     for p in reversed(job.get("sys_path") or []):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -228,12 +256,17 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, into: Any 
             raise NameError(f"--out names the cell did not define: {', '.join(missing)}")
         outputs = {n: ns[n] for n in job.get("out", [])}
         try:
-            packed = transfer.dumps_result(outputs, value, job.get("oob_dir"), bool(job.get("vm")))
+            # ``inline``: this node does not see the kernel's files (the shared artifact root): in the message
+            packed = transfer.dumps_result(outputs, value, job.get("oob_dir"), bool(job.get("vm")),
+                                           inline=bool(job.get("inline")))
         except transfer.TransferError as e:  # the cell's code succeeded: one line naming the value, no frames
             return {"type": "result", "status": "error", "ename": "TransferError", "evalue": str(e),
                     "traceback": f"TransferError: {e}\n", "code_ok": True, "elapsed": time.monotonic() - started}
         return {"type": "result", "status": "ok", "payload": packed, "elapsed": time.monotonic() - started,
                 "versions": transfer.versions()}
+    except _SetupError as e:
+        return {"type": "result", "status": "error", "ename": "WorkerSetupError", "evalue": str(e),
+                "traceback": f"WorkerSetupError: {e}\n", "elapsed": time.monotonic() - started}
     except BaseException as e:  # the user's error, KeyboardInterrupt included: report, never crash
         import traceback
 
@@ -248,6 +281,41 @@ def run_job(job: dict[str, Any], ns: dict[str, Any], ask: Any = None, into: Any 
             "traceback": text,
             "elapsed": time.monotonic() - started,
         }
+
+
+#: the most a cell's files may weigh to come back with its result from a node without the shared artifact root
+#: (bytes; ``$GPULEASE_FILES_BACK_MAX`` where the kernel sets it)
+FILES_BACK_MAX = 1 << 30
+
+
+def _files_back(job: dict[str, Any], result: dict[str, Any]) -> None:
+    """On a node that does not see the shared artifact root (the kernel's marker check: the job's ``root_unseen``),
+    the files the cell wrote to ``$GPULEASE_ARTIFACTS`` go back with its result (``files``: {relative path: bytes};
+    the kernel writes them into the lease's directory, where the summary line says they are); more than
+    ``FILES_BACK_MAX`` bytes stay on the node, and the cell's stderr says where, in one line with the fix."""
+    unseen, where = job.get("root_unseen"), os.environ.get("GPULEASE_ARTIFACTS")
+    if not unseen or not where:
+        return
+    found: list[tuple[str, str]] = []
+    for top, dirs, names in os.walk(where):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [(os.path.join(top, n), os.path.relpath(os.path.join(top, n), where)) for n in names
+                  if not n.startswith(".")]
+    if not found:
+        return
+    size = sum(os.path.getsize(path) for path, _ in found if os.path.isfile(path))
+    if size > int(os.environ.get("GPULEASE_FILES_BACK_MAX") or FILES_BACK_MAX):
+        sys.stderr.write(f"gpulease: the cell's {len(found)} file(s) ({size >> 20} MiB) stay on this node in {where}: "
+                         f"{unseen}\n")
+        return
+    files = {}
+    for path, rel in found:
+        try:
+            with open(path, "rb") as f:
+                files[rel] = f.read()
+        except OSError:
+            continue
+    result["files"] = files
 
 
 class _Kernel:
@@ -309,6 +377,7 @@ class _Parking:
 
 
 def main(argv: list[str] | None = None) -> None:
+    _reset_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     session = "--session" in argv
     preload: list[str] = []
@@ -357,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         parking.busy = True
         result = run_job(job, ns, kernel.ask, held.inputs)
         held.after_job()
+        _files_back(job, result)
         sys.stdout.flush()
         sys.stderr.flush()
         kernel.hand_over(result, job.get("oob_dir"))

@@ -19,6 +19,22 @@ from jupyter_gpulease.kernel.cellcode import free_names, select_inputs
 from jupyter_gpulease.wire import transfer, vmcopy
 
 
+def test_large_values_travel_inline_in_the_message_where_no_file_is_shared(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node without the shared artifact root: the buffers travel in the framed message itself, both ways."""
+    import io
+
+    big = np.arange(1 << 20, dtype="f8")
+    for packed in (transfer.dumps({"big": big, "alias": big}, inline=True),  # the worker's result
+                   transfer.to_inline(transfer.dumps({"big": big, "alias": big}, str(tmp_path)))):  # the kernel's inputs
+        assert packed is not None and not packed["file"] and packed["inline"]
+        assert not os.listdir(tmp_path)  # to_inline read the file and removed it
+        buf = io.BytesIO()
+        transfer.send(buf, packed)
+        buf.seek(0)
+        out = transfer.loads(transfer.recv(buf))
+        assert out["big"] is out["alias"] and np.array_equal(out["big"], big) and out["big"].flags.writeable
+
+
 def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> None:  # type: ignore[no-untyped-def]
     big = np.arange(1 << 20, dtype="f8")  # 8 MiB
     small = np.arange(10)

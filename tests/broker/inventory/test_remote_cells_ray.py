@@ -1,0 +1,159 @@
+"""Remote cells on Ray that can be interrupted, never freeze the kernel, and end cleanly: a REAL local Ray cluster
+(tests/ray_cluster.py), a REAL broker with ``--inventory=ray`` and a REAL kernel (tests/kernels.py).
+
+The kernel runs with ``PYTHONUNBUFFERED=1`` in its own environment (as a kernel started by some launchers does):
+the cell must not inherit it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import waiting
+from broker_process import BrokerProcess
+from ray_cluster import HEAD, LocalRayCluster, ray_missing
+
+from jupyter_gpulease.client import BrokerClient
+
+pytestmark = [
+    pytest.mark.skipif(bool(ray_missing()), reason=ray_missing() or "ray installed"),
+    pytest.mark.timeout(600),
+]
+
+T = 60.0  # generous: on a busy 2-core machine an actor may take seconds to start
+ENDED = ("released", "expired", "revoked", "failed", "cancelled")
+
+wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
+
+
+@pytest.fixture(scope="module")
+def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(
+        tmp_path_factory.mktemp("ray-cells-broker"),
+        args=["--inventory=ray", f"--RayInventory.address={ray_cluster.address}", f"--RayInventory.node_ip={HEAD}",
+              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5"],
+        env=ray_cluster.env,
+    ).start(timeout=T)
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
+    c = broker.client(timeout=T)
+    yield c
+    for lease in c.leases():  # leave nothing held for the next test
+        if lease["state"] not in ENDED:
+            c.release(lease["id"])
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kernels import Kernel
+
+    k = Kernel(broker.url, str(tmp_path_factory.mktemp("ray-cells-artifacts")),
+               {**ray_cluster.env, "GPULEASE_RAY_NODE_IP": HEAD, "PYTHONUNBUFFERED": "1"})
+    try:
+        yield k
+    finally:
+        k.stop()
+
+
+def _held(client: BrokerClient) -> dict[str, Any]:
+    return wait_for(lambda: next((v for v in client.leases() if v["state"] not in ENDED), None), what="the cell's lease")
+
+
+def _signal_bits(pid: int) -> dict[str, int]:
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("SigBlk", "SigIgn", "SigCgt")):
+                name, value = line.split(":")
+                fields[name] = int(value.strip(), 16)
+    return fields
+
+
+def test_ray_interrupt_reaches_the_cells_own_except(kernel: Any, client: BrokerClient) -> None:
+    msg_id = kernel.submit(
+        "%%gpu --grace 20s\nimport os, time\nprint('worker', os.getpid(), flush=True)\n"
+        "try:\n    n = 0\n    while True:\n        time.sleep(0.05)\n        n += 1\n"
+        "        if n == 3:\n            print('in the loop', flush=True)\n"
+        "except KeyboardInterrupt:\n    print('the cell caught it', flush=True)\n    raise\n")
+    partial = kernel.collect(msg_id, timeout=T * 2, until=lambda outs: "in the loop" in "".join(
+        o["content"].get("text", "") for o in outs))
+    pid = int(partial.stdout.split("worker ")[1].split()[0])
+    lease = _held(client)
+    assert lease["placement"]["kind"] == "ray"
+    bits = _signal_bits(pid)  # Ray's actor process has SIGINT ignored and blocked: the worker undid both
+    sigint = 1 << (signal.SIGINT - 1)
+    assert not bits["SigBlk"] & sigint and not bits["SigIgn"] & sigint and bits["SigCgt"] & sigint, bits
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id, timeout=T)
+    answered = time.monotonic() - t0
+    assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt", r.outputs
+    assert "the cell caught it" in r.stdout  # its own except ran: not killed after the grace period (20 s)
+    assert "time.sleep(0.05)" in "\n".join(r.error["traceback"])  # the worker's own traceback
+    assert answered < 20, answered
+    print(f"ray interrupt answered in {answered * 1000:.0f} ms")
+    wait_for(lambda: not waiting.process_alive(pid), what="the worker to exit")
+    wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")
+
+
+def test_ray_stopped_worker_ends_the_cell_within_10_s_and_releases(kernel: Any, client: BrokerClient) -> None:
+    msg_id = kernel.submit("%%gpu\nimport os, time\nprint('pids', os.getpid(), os.getppid(), flush=True)\n"
+                           "time.sleep(600)\n")
+    partial = kernel.collect(msg_id, timeout=T * 2, until=lambda outs: "pids" in "".join(
+        o["content"].get("text", "") for o in outs))
+    worker, actor = (int(p) for p in partial.stdout.split("pids ")[1].split()[:2])
+    lease = _held(client)
+    try:
+        os.kill(actor, signal.SIGSTOP)  # the actor's process stops answering (a hung actor)
+        t0 = time.monotonic()
+        r = kernel.collect(msg_id, timeout=T)
+        ended = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(actor, signal.SIGCONT)
+    assert r.status == "error" and r.error is not None, r.outputs
+    assert "stopped answering" in r.error["evalue"] and "call_timeout" in r.error["evalue"], r.error
+    assert "\n" not in r.error["evalue"].strip()  # one line
+    assert ended < 10, ended
+    print(f"ray stopped actor: cell ended after {ended:.1f} s")
+    wait_for(lambda: not waiting.process_alive(actor), what="the actor to be killed")
+    wait_for(lambda: not waiting.process_alive(worker), what="the worker to end with its actor")
+    wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")
+
+
+def test_ray_cell_gets_the_kernels_environment_not_rays(kernel: Any, client: BrokerClient) -> None:
+    r = kernel.run("%%gpu --out env\nimport os\nenv = {k: os.environ.get(k) for k in ('PYTHONUNBUFFERED', "
+                   "'GPULEASE_LEASE_ID', 'MPLBACKEND')}", timeout=T * 2)
+    assert r.status == "ok", r.outputs
+    env = eval(kernel.run("env").result or "{}")
+    assert env["PYTHONUNBUFFERED"] is None and env["GPULEASE_LEASE_ID"] and env["MPLBACKEND"] == "Agg", env
+
+
+def test_ray_missing_interpreter_fails_in_one_line_naming_the_node(kernel: Any, client: BrokerClient,
+                                                                    tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-python")
+    kernel.run(f"%config GpuMagics.worker_python = {missing!r}")
+    try:
+        r = kernel.run("%%gpu\nprint('never')", timeout=T * 2)
+    finally:
+        kernel.run("%config GpuMagics.worker_python = ''")
+    assert r.status == "error" and r.error is not None, r.outputs
+    text = r.error["evalue"]
+    assert missing in text and "does not exist on node" in text and "worker_python" in text, r.error
+    assert "never" not in r.stdout
+    wait_for(lambda: not [v for v in client.leases() if v["state"] not in ENDED], what="the lease released")

@@ -1,0 +1,73 @@
+"""The Python API (``lease``, ``on_gpu``, ``map``) through the executor of the lease's placement on Slurm: a REAL local
+Slurm (tests/slurm_cluster.py), a REAL broker with ``--inventory=slurm`` and a REAL kernel (tests/kernels.py). Needs
+root; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import waiting
+from broker_process import BrokerProcess
+from slurm_cluster import LocalSlurmCluster, slurm_missing
+
+pytestmark = [pytest.mark.skipif(bool(slurm_missing()), reason=slurm_missing() or "slurm"), pytest.mark.timeout(300)]
+
+T = 30.0
+ENDED = ("released", "expired", "revoked", "failed", "cancelled")
+
+wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.02)
+
+
+@pytest.fixture(scope="module")
+def broker(slurm_cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(
+        tmp_path_factory.mktemp("slurm-api-broker"),
+        args=["--inventory=slurm", "--tick=0.2", "--LeaseBroker.sample_seconds=0.3",
+              "--SlurmInventory.placement_timeout=10"],
+        env=slurm_cluster.env,
+    ).start(timeout=T)
+    try:
+        yield b
+    finally:
+        b.stop()
+        slurm_cluster.cancel_all()
+
+
+@pytest.fixture(scope="module")
+def kernel(slurm_cluster: LocalSlurmCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kernels import Kernel
+
+    k = Kernel(broker.url, str(tmp_path_factory.mktemp("slurm-api-artifacts")), slurm_cluster.env)
+    try:
+        yield k
+    finally:
+        k.stop()
+
+
+def test_api_lease_on_gpu_and_map_run_as_slurm_steps(kernel: Any, broker: BrokerProcess,
+                                                    slurm_cluster: LocalSlurmCluster) -> None:
+    r = kernel.run(
+        "import os, jupyter_gpulease\n"
+        "def where(x):\n"
+        "    return (os.environ.get('SLURM_JOB_ID'), os.environ.get('SLURMD_NODENAME'),\n"
+        "            'slurm_relay' in open(f'/proc/{os.getppid()}/cmdline').read(), x * 2)\n"
+        "with jupyter_gpulease.lease(2) as held:\n"
+        "    a = held.run(where, 1)\n    kind = held.info.placement['kind']\n"
+        "print('lease', kind, bool(a[0]), a[1], a[2], a[3])\n"
+        "print('one', *jupyter_gpulease.on_gpu(1)(where)(5)[2:])\n"
+        "res = jupyter_gpulease.map(where, [1, 2, 3], gpus_per_call=1, max_gpus=2)\n"
+        "print('map', {s for _, _, s, _ in res}, [v for _, _, _, v in res])\n", timeout=T * 4)
+    assert r.status == "ok", r.outputs
+    lines = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
+    assert lines["lease"][0] == "slurm" and lines["lease"][1] == "True" and lines["lease"][3:] == ["True", "2"], r.stdout
+    assert lines["one"] == ["True", "10"], r.stdout  # started by the relay in the lease's step
+    assert "map {True} [2, 4, 6]" in r.stdout, r.stdout
+    c = broker.client(timeout=T)
+    try:
+        wait_for(lambda: not [v for v in c.leases() if v["state"] not in ENDED], what="the API's leases released")
+    finally:
+        c.close()
