@@ -233,7 +233,7 @@ class SlurmBackend(Backend):
         wait_until(granted, what="Slurm allocation granted")
 
     def freed(self, lease: dict[str, Any]) -> None:
-        from lease_broker.inventory.slurm import LIVE_STATES
+        from lease_broker.inventory.slurm_cli import LIVE_STATES
 
         job = self.lease["placement"]["job_id"]
         wait_until(lambda: self.cluster.run("squeue", "--noheader", f"--jobs={job}", "--states=all", "--format=%T",

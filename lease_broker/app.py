@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from tornado import ioloop
-from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Type, Unicode, default, validate
+from traitlets import Bool, CaselessStrEnum, Float, Instance, Integer, List, Type, Unicode, default
 from traitlets.config import Application, catch_config_error
 
 from gpulease_protocol import address
@@ -29,6 +29,7 @@ from .inventory.nvml import NVMLInventory
 from .inventory.simulated import SimulatedInventory
 from .manager.manager import LeaseManager
 from .notify.notifier import Notifier
+from .policy import numbers
 from .policy.lease_policy import LeasePolicy
 from .service import BrokerService, trusted_place
 from .store.lease_store import Store
@@ -123,7 +124,7 @@ class LeaseBroker(Application):
         "e.g. PAM or LocalProcessSpawner): then leases, quotas and admin lists are shared between them. False: "
         "two principals; under identity 'unix+hub' a Hub user's leases are owned by 'hub:NAME'. Example: True.",
     )
-    admin_cache_seconds = Float(
+    admin_cache_seconds = numbers.Float(
         60.0, config=True,
         help="Seconds a user's Unix group membership is kept for admin_groups before it is read again (SIGHUP "
         "reads it again at once): a member removed from an admin group stops being an admin within this many "
@@ -132,16 +133,16 @@ class LeaseBroker(Application):
     root_is_admin = Bool(True, config=True, help="Whether uid 0 on the Unix socket is an admin (never with identity 'hub').")
     tick_seconds = Float(1.0, config=True, help="Seconds between enforcement ticks (expiry, idleness). Example: 1.")
     sample_seconds = Float(2.0, config=True, help="Seconds between inventory samples (NVML use); 0 = never.")
-    request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body after its headers (a connection that "
-                            "stalls longer is closed, found by a sweep every quarter of this, at most every 5 s; headers "
-                            "get 10 times this). Example: 30.")
-    max_connections = Integer(
+    request_timeout = Float(30.0, config=True, help="Seconds a client may take to send a request body after its headers (tornado's "
+                            "body_timeout; a connection idle for 10 times this, its headers unsent too, is closed). "
+                            "Example: 30.")
+    max_connections = numbers.Integer(
         0, config=True,
         help="Connections the broker keeps open at once, from everyone (each holds a file descriptor); one more is "
         "answered 503 with Retry-After and closed. 0 = as many as the limit of open files allows (the broker raises "
         "its soft limit to the hard one and keeps 96 descriptors for itself), never more. Example: 4000.",
     )
-    max_connections_per_peer = Integer(
+    max_connections_per_peer = numbers.Integer(
         1000, config=True,
         help="Connections one peer may keep open at once: one uid on the Unix socket, one address over TCP (raise it "
         "where many people share one: containers with one uid, a proxy); one more is answered 429 with Retry-After "
@@ -196,20 +197,6 @@ class LeaseBroker(Application):
             return "/var/lib/gpulease/leases.db"
         base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
         return os.path.join(base, "gpulease", "leases.db")
-
-    @validate("admin_cache_seconds")
-    def _valid_admin_cache(self, proposal: dict[str, Any]) -> float:
-        value = proposal["value"]
-        if not (value >= 0 and value != float("inf")):
-            raise ValueError(f"LeaseBroker.admin_cache_seconds={value!r}: must be a number of seconds >= 0")
-        return float(value)
-
-    @validate("max_connections", "max_connections_per_peer")
-    def _valid_connections(self, proposal: dict[str, Any]) -> int:
-        if proposal["value"] < 0:
-            raise ValueError(f"LeaseBroker.{proposal['trait'].name}={proposal['value']!r}: must be >= 0 (0 = no limit "
-                             "of its own)")
-        return int(proposal["value"])
 
     @default("log_level")
     def _log_level(self) -> int:

@@ -1,7 +1,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-import { ILease, IWait } from './leaseView';
+import { IDevice, ILease, IWait } from './leaseView';
 
 /** An error answer of the server extension or the broker: `{status, reason, message}`. */
 export class GpuLeaseError extends Error {
@@ -65,18 +65,12 @@ export interface IHolder {
   mine: boolean;
 }
 
-export interface IGpu {
-  id: string;
-  index: number;
-  node: string;
-  name: string;
-  memory_total: number;
+/** A GPU as `GET /gpus` shows it: the device a lease's view lists, with its figures, state and holders. */
+export interface IGpu extends IDevice {
   memory_used: number;
   utilization: number;
   state: string;
   simulated: boolean;
-  /** A MIG device (a slice of a GPU in MIG mode); its name ends with the profile. */
-  mig?: boolean;
   holders: IHolder[];
   /** While state is 'reserved': the open advance reservation the GPU is held for. */
   reservation?: { id: string; user: string; group: string; end: number };

@@ -169,20 +169,21 @@ export function noticeFor(event: IEvent, known?: ILease): INotice | null {
   }
   const deadline = Number(event.deadline ?? 0);
   const where = whereOf(known?.labels);
-  const notebook = known?.labels?.notebook || null;
-  const cell = known?.labels?.cell || null;
-  const cellId = known?.labels?.cell_id || null;
+  const labels = known?.labels ?? {};
+  const base = {
+    leaseId,
+    notebook: labels.notebook || null,
+    cell: labels.cell || null,
+    cellId: labels.cell_id || null,
+    slot: `${leaseId}:warning`,
+    level: 'warning' as const
+  };
   if (event.type === 'lease.preempting') {
     const at = deadline ? ` at ${formatClock(deadline)}` : ' soon';
     return {
+      ...base,
       kind: 'preemption',
       key: `${leaseId}:preempting:${deadline}`,
-      slot: `${leaseId}:warning`,
-      level: 'warning',
-      leaseId,
-      notebook,
-      cell,
-      cellId,
       title: `GPU lease ${leaseId} will be preempted`,
       text:
         `GPU lease ${leaseId}${where ? ` (${where})` : ''} will be preempted${at} for ` +
@@ -193,13 +194,9 @@ export function noticeFor(event: IEvent, known?: ILease): INotice | null {
     const kind = String(event.kind ?? '');
     const what = kind === 'idle' ? 'be revoked for idleness' : 'expire';
     return {
+      ...base,
       kind: 'warning',
       key: `${leaseId}:warning:${kind}:${deadline}`,
-      slot: `${leaseId}:warning`,
-      level: 'warning',
-      leaseId,
-      notebook,
-      cell,
       warning: kind,
       title: `GPU lease ${leaseId} will ${what}`,
       text: event.message ?? `GPU lease ${leaseId} will ${what} soon`

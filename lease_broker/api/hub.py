@@ -27,11 +27,12 @@ from typing import Any
 from urllib.parse import quote
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Bool, Float, Integer, List, Unicode, default, validate
+from traitlets import Bool, List, Unicode, default
 from traitlets.config import Configurable
 
 from ..core.errors import LeaseError, TooManyRequests, Unauthorized, Unavailable
 from ..core.identity import Namespaces
+from ..policy import numbers
 
 log = logging.getLogger("lease_broker")
 
@@ -65,7 +66,7 @@ class HubIdentity(Configurable):
         help="The Hub's API URL, e.g. 'http://127.0.0.1:8081/hub/api' (the Hub's hub_ip:hub_port, reachable from "
         "the broker). Default: $JUPYTERHUB_API_URL, which the Hub sets for a managed service.",
     )
-    cache_seconds = Float(
+    cache_seconds = numbers.Float(
         30.0,
         config=True,
         help="Seconds the Hub's answer for a token is kept (never past the token's own expiry): a token revoked "
@@ -75,7 +76,7 @@ class HubIdentity(Configurable):
         "Hub's own single-user servers cache 300 s) at one Hub lookup per active token per 30 s. 0 = ask the Hub "
         "on every request (and nothing passes while it is down). Example: 30.",
     )
-    failed_lookups_per_minute = Integer(
+    failed_lookups_per_minute = numbers.Integer(
         10,
         config=True,
         help="Refused token lookups a peer (a uid on the Unix socket, an address over TCP) may cause: a burst of "
@@ -83,7 +84,7 @@ class HubIdentity(Configurable):
         "Retry-After and the Hub is not asked (a token already accepted keeps working). Callers behind one uid or "
         "one proxy address share it. 0 = no limit. Example: 10.",
     )
-    timeout = Float(
+    timeout = numbers.Float(
         5.0,
         config=True,
         help="Seconds to wait for the Hub's answer before treating the Hub as unreachable. Example: 5.",
@@ -116,19 +117,6 @@ class HubIdentity(Configurable):
     @default("api_token")
     def _default_api_token(self) -> str:
         return os.environ.get("JUPYTERHUB_API_TOKEN", "")
-
-    @validate("cache_seconds", "timeout")
-    def _valid_seconds(self, proposal: dict[str, Any]) -> float:
-        value = proposal["value"]
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"HubIdentity.{proposal['trait'].name}={value!r}: must be a number of seconds >= 0")
-        return float(value)
-
-    @validate("failed_lookups_per_minute")
-    def _valid_rate(self, proposal: dict[str, Any]) -> int:
-        if proposal["value"] < 0:
-            raise ValueError(f"HubIdentity.failed_lookups_per_minute={proposal['value']!r}: must be >= 0")
-        return int(proposal["value"])
 
     def __init__(self, namespaces: Namespaces | None = None, monotonic: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, **kwargs: Any) -> None:

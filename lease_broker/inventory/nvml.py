@@ -24,12 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from traitlets import Float, Unicode, validate
-
 from ..core.errors import LeaseError
 from ..core.gpu import GPU, GpuSample
 from ..core.lease import parse_size
 from ..host.procs import is_descendant, proc_info
+from ..policy.numbers import Float, Size
 from . import Inventory
 from .nvml_calls import common_ancestor, has_nvlink, mig_enabled, p2p_nvlink, processes, pynvml
 
@@ -64,12 +63,14 @@ class NVMLInventory(Inventory):
 
     activity_gpu_percent = Float(
         5.0,
+        max=100.0,
         config=True,
         help="GPU (SM) utilisation in percent of a lease's processes, averaged over activity_window_seconds, "
         "at or above which the lease counts as active. 0 = any process on the GPU counts as activity. Example: 5.",
     )
     activity_memory_percent = Float(
         5.0,
+        max=100.0,
         config=True,
         help="Memory-controller utilisation (memory traffic) in percent of a lease's processes, averaged over "
         "activity_window_seconds, at or above which the lease counts as active. 0 = ignore memory traffic "
@@ -81,24 +82,12 @@ class NVMLInventory(Inventory):
         help="Seconds of NVML samples averaged to decide whether a lease is active. 0 = only the latest "
         "sample. Example: 10.",
     )
-    drain_memory_slack = Unicode(
+    drain_memory_slack = Size(
         "256M",
         config=True,
         help="Memory above a GPU's baseline (what it used with no process at start) that still counts as "
         "drained after a lease ends, e.g. '256M'. '0' = memory must be back to the baseline exactly.",
     )
-
-    @validate("activity_gpu_percent", "activity_memory_percent", "activity_window_seconds")
-    def _valid_nonneg(self, proposal: dict[str, Any]) -> float:
-        value = float(proposal["value"])
-        if value < 0 or (proposal["trait"].name.endswith("percent") and value > 100):
-            raise ValueError(f"NVMLInventory.{proposal['trait'].name}={proposal['value']!r}: out of range")
-        return value
-
-    @validate("drain_memory_slack")
-    def _valid_slack(self, proposal: dict[str, Any]) -> str:
-        parse_size(proposal["value"], "NVMLInventory.drain_memory_slack")
-        return str(proposal["value"])
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

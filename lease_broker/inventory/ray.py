@@ -21,11 +21,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from traitlets import Float, Unicode, validate
+from traitlets import Unicode
 
 from ..core.errors import LeaseError
 from ..core.gpu import GPU, GpuSample
 from ..core.lease import HOLDING, Lease, parse_size
+from ..policy.numbers import Float, Size
 from . import Inventory
 from .changes import GpusChanged, InventoryChange, LeaseFailed
 
@@ -87,22 +88,11 @@ class RayInventory(Inventory):
         help="Seconds a granted lease's placement group may stay pending in Ray before the broker removes it and "
         "fails the lease (reason placement_timeout). 0 = wait forever. Example: 60.",
     )
-    memory = Unicode(
+    memory = Size(
         "80G",
         config=True,
         help="Memory reported for each GPU (Ray does not report it; used for `mem=` requests), e.g. '80G'.",
     )
-
-    @validate("placement_timeout")
-    def _valid_timeout(self, proposal: dict[str, Any]) -> float:
-        if proposal["value"] < 0:
-            raise ValueError(f"RayInventory.placement_timeout={proposal['value']!r}: give seconds >= 0")
-        return float(proposal["value"])
-
-    @validate("memory")
-    def _valid_memory(self, proposal: dict[str, Any]) -> str:
-        parse_size(proposal["value"], "RayInventory.memory")
-        return str(proposal["value"])
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -21,6 +21,7 @@ from traitlets import Bool, Integer, Unicode, validate
 from ..core.gpu import GPU, GpuSample
 from ..core.lease import HOLDING, Lease, parse_size
 from ..host.procs import tree_usage, uptime_ticks
+from ..policy import numbers
 from . import Inventory
 from .changes import InventoryChange
 
@@ -72,10 +73,12 @@ class SimulatedInventory(Inventory):
     kind = "simulated"
     simulated = True
 
-    gpus = Integer(4, config=True, help="Number of simulated GPUs in all (spread over `nodes`). Example: 8.")
-    nodes = Integer(1, config=True, help="Number of simulated nodes the GPUs are spread over. Example: 2.")
+    gpus = numbers.Integer(4, min=1, max=100_000, config=True,
+                           help="Number of simulated GPUs in all (spread over `nodes`). Example: 8.")
+    nodes = numbers.Integer(1, min=1, max=10_000, config=True,
+                            help="Number of simulated nodes the GPUs are spread over. Example: 2.")
     gpu_name = Unicode("Simulated GPU", config=True, help="Device name shown for every simulated GPU.")
-    memory = Unicode("80G", config=True, help="Memory of each simulated GPU, e.g. '80G' or '24GiB'.")
+    memory = numbers.Size("80G", config=True, help="Memory of each simulated GPU, e.g. '80G' or '24GiB'.")
     cluster = Unicode(
         "",
         config=True,
@@ -99,18 +102,6 @@ class SimulatedInventory(Inventory):
         "GPUs. False = every sample is empty (nothing runs on a simulated GPU).",
     )
 
-    @validate("gpus")
-    def _valid_gpus(self, proposal: dict[str, Any]) -> int:
-        if not 1 <= proposal["value"] <= 100_000:
-            raise ValueError(f"SimulatedInventory.gpus={proposal['value']!r}: give 1 to 100000")
-        return int(proposal["value"])
-
-    @validate("nodes")
-    def _valid_nodes(self, proposal: dict[str, Any]) -> int:
-        if not 1 <= proposal["value"] <= 10_000:
-            raise ValueError(f"SimulatedInventory.nodes={proposal['value']!r}: give 1 to 10000")
-        return int(proposal["value"])
-
     @validate("cluster")
     def _valid_cluster(self, proposal: dict[str, Any]) -> str:
         if proposal["value"]:
@@ -118,11 +109,6 @@ class SimulatedInventory(Inventory):
                 parse_cluster(proposal["value"])
             except ValueError as e:
                 raise ValueError(f"SimulatedInventory.cluster: {e}") from None
-        return str(proposal["value"])
-
-    @validate("memory")
-    def _valid_memory(self, proposal: dict[str, Any]) -> str:
-        parse_size(proposal["value"], "SimulatedInventory.memory")
         return str(proposal["value"])
 
     _ids: list[str] | None = None

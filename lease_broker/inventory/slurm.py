@@ -31,34 +31,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from traitlets import Bool, Float, List, Unicode, validate
+from traitlets import Bool, List, Unicode, validate
 
 from ..core.gpu import GPU, GpuSample
 from ..core.lease import HOLDING, Lease, parse_size
+from ..policy.numbers import Float, Size
 from . import Inventory
 from .changes import InventoryChange
-from .slurm_alloc import Allocation, Changes, SlurmAllocations
-from .slurm_cli import (
-    _ALLOC_RE,
-    _GRES_RE,
-    _IDX_RE,
-    CLOSED_STATES,
-    LIVE_STATES,
-    LOST_STATES,
-    WAIT_REASONS,
-    Job,
-    Node,
-    SlurmCommands,
-    Snapshot,
-    _per_node,
-    expand_hostlist,
-    expand_indices,
-    gpu_id,
-)
+from .slurm_alloc import Changes, SlurmAllocations
+from .slurm_cli import Node, SlurmCommands, Snapshot, _per_node, gpu_id
 from .slurm_reconcile import SlurmReconciler
-
-__all__ = ["CLOSED_STATES", "LIVE_STATES", "LOST_STATES", "WAIT_REASONS", "_ALLOC_RE", "_GRES_RE", "_IDX_RE",
-           "Allocation", "Job", "Node", "SlurmInventory", "Snapshot", "expand_hostlist", "expand_indices", "gpu_id"]
 
 log = logging.getLogger("lease_broker")
 
@@ -107,32 +89,16 @@ class SlurmInventory(Inventory):
     )
     command_timeout = Float(
         30.0,
+        positive=True,
         config=True,
         help="Seconds a Slurm command (sinfo, squeue, scontrol, scancel) may take before it counts as failed. "
         "Example: 30.",
     )
-    memory = Unicode(
+    memory = Size(
         "80G",
         config=True,
         help="Memory reported for each GPU (Slurm does not know it; used for `mem=` requests), e.g. '80G'.",
     )
-
-    @validate("placement_timeout", "time_margin_seconds")
-    def _valid_seconds(self, proposal: dict[str, Any]) -> float:
-        if proposal["value"] < 0:
-            raise ValueError(f"SlurmInventory.{proposal['trait'].name}={proposal['value']!r}: give seconds >= 0")
-        return float(proposal["value"])
-
-    @validate("command_timeout")
-    def _valid_command_timeout(self, proposal: dict[str, Any]) -> float:
-        if proposal["value"] <= 0:
-            raise ValueError(f"SlurmInventory.command_timeout={proposal['value']!r}: give seconds > 0")
-        return float(proposal["value"])
-
-    @validate("memory")
-    def _valid_memory(self, proposal: dict[str, Any]) -> str:
-        parse_size(proposal["value"], "SlurmInventory.memory")
-        return str(proposal["value"])
 
     @validate("job_prefix")
     def _valid_prefix(self, proposal: dict[str, Any]) -> str:

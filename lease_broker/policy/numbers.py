@@ -5,7 +5,8 @@ the config file at start, a SIGHUP reload, ``PUT /api/v1/policy``.
 
 ``lease_policy.py`` imports these two in place of traitlets' own, so an option added there (or a
 ``Dict`` of numbers, through its ``value_trait``) is covered without a validator of its own: one rule, not one
-``@validate`` per option.
+``@validate`` per option. The broker's other numeric options (``LeaseBroker``'s, ``HubIdentity``'s, the
+inventories') use them too (``max=``: at most that), and its size options ``Size``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import traitlets
 from traitlets import TraitError, Undefined
 
-from gpulease_protocol.requests import quoted
+from gpulease_protocol.requests import parse_size, quoted
 
 #: The largest whole number every JSON parser reads exactly (JavaScript's Number.MAX_SAFE_INTEGER).
 LARGEST_INT = 2**53 - 1
@@ -34,7 +35,8 @@ class Float(traitlets.Float):  # type: ignore[type-arg]
         kwargs.setdefault("min", 0.0)
         self.positive = positive
         super().__init__(default_value, **kwargs)
-        self.info_text = f"a finite number {'>' if positive else '>='} {self.min:g}"
+        bound = f" and at most {self.max:g}" if math.isfinite(self.max) else ""
+        self.info_text = f"a finite number {'>' if positive else '>='} {self.min:g}{bound}"
 
     def validate(self, obj: Any, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -64,3 +66,15 @@ class Integer(traitlets.Integer):  # type: ignore[type-arg]
         if not self.min <= value <= self.max:
             raise _refuse(self, obj, value)
         return int(value)
+
+
+class Size(traitlets.Unicode):  # type: ignore[type-arg]
+    """A size option in bytes or units (``'80G'``, ``'256M'``), refused at once where ``parse_size`` cannot read it."""
+
+    def validate(self, obj: Any, value: Any) -> str:
+        text = str(super().validate(obj, value))
+        try:
+            parse_size(text, f"{type(obj).__name__}.{self.name}")
+        except ValueError as e:  # a config error, said as the numbers' are
+            raise TraitError(str(e)) from None
+        return text

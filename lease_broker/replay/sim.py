@@ -4,7 +4,10 @@ No model of the scheduler: every request, renewal, release and idle revocation g
 ``LeaseManager`` (the real ``schedule()``, ``LeasePolicy.apply`` and ``Enforcer.tick``) with a
 ``VirtualClock``, a ``:memory:`` store and a ``SimulatedInventory`` of the cluster's shape. The
 loop only decides *when* to call it: a heap of events (arrivals, burst ends, idle deadlines,
-session stops); nothing ticks at a fixed step and nothing sleeps.
+session stops); nothing ticks at a fixed step and nothing sleeps. The manager runs as in the service, by event-loop
+iterations (``core/driver.py: SyncDriver``): the replay ends the iteration after each call it makes (a request, a
+renewal, a release, a tick: as the service's answer waits for the iteration's pass and group commit) and after each
+event, so a call sees what the broker would have answered.
 
 Two modes:
 
@@ -29,6 +32,7 @@ import time
 from typing import Any
 
 from ..core.clock import VirtualClock
+from ..core.driver import SyncDriver
 from ..core.errors import Forbidden
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
@@ -72,11 +76,13 @@ class _Sim:
         if policy.max_queued_per_user:  # a trace is demand to replay, not a flood to refuse: no cap on a user's queue
             policy = policy_copy(policy, max_queued_per_user=0)
         self.policy = policy
+        self.driver = SyncDriver()  # ends the manager's event-loop iterations: ``settle``
         self.m = LeaseManager(
             Store(":memory:"),
             cluster.inventory(),
             policy,
             clock=self.clock,
+            driver=self.driver,
         )
         self.run = Run(mode=mode, cluster=cluster, idle_timeout=idle)
         alone = sum(1 for b in trace.bursts if not b.session)
@@ -118,6 +124,7 @@ class _Sim:
             self.run.events += 1
             self._event_cost, self._event_passes = 0.0, 0
             self.handle(kind, payload)
+            self.settle()
             if self._event_passes:  # the wall time of the scheduling passes this event caused
                 self.run.pass_seconds.append(self._event_cost)
             self.run.queue_max = max(self.run.queue_max, len(queue))
@@ -131,6 +138,11 @@ class _Sim:
 
     def handle(self, kind: int, payload: tuple[Any, ...]) -> None:
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """End the manager's event-loop iteration: its scheduling pass, its group commit and what follows them
+        (as the service's answer to a call waits for them)."""
+        self.driver.run()
 
     def _integrate(self, t: float, depth: int) -> None:
         dt = t - self.last_t
@@ -152,6 +164,7 @@ class _Sim:
         if idle > 0:
             body["idle_timeout_seconds"] = idle
         lease, _ = self.m.request(who, body)
+        self.settle()  # the answer waits for the pass
         self.run.leases.append(lease)
         self.waiting[lease.id] = (lease, then)
         if gpus > 1:
@@ -170,6 +183,7 @@ class _Sim:
     def collect(self) -> None:
         """Notice what the manager did (its lease events since the last call): grants of waiting requests,
         ends of held leases."""
+        self.settle()
         changed: dict[str, None] = {}  # in the order they happened, once each
         while not self.changes.empty():
             event = self.changes.get_nowait()
@@ -273,6 +287,7 @@ class _LeaseSim(_Sim):
                 self.m.release(lease.id, st["who"], "replay_renewal_refused")
                 self.collect()
             else:
+                self.settle()
                 out.warm = True
                 self.start_burst(lease, (key, idx, out))
                 return

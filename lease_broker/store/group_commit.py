@@ -20,9 +20,10 @@ writers that share the group (``Store.batched``: the notification outbox, learne
 the open transaction at once, each in a savepoint of its own.
 
 What ends an iteration is explicit: a :class:`Driver`. The service attaches its event loop at start
-(``Driver.attach``); until then, and in the replay and unit tests that never attach one, there is no iteration to
-share: each write goes through the same path (held, written with ``write_leases``, committed) at once, a failure
-raises ``StoreError`` to the writer after its undo, and ``after`` actions run at once.
+(``Driver.attach``); the replay passes a ``SyncDriver`` and ends each iteration itself. Until then, and in unit
+tests that never attach one, there is no iteration to share: each write goes through the same path (held, written
+with ``write_leases``, committed) at once, a failure raises ``StoreError`` to the writer after its undo, and
+``after`` actions run at once.
 """
 
 from __future__ import annotations

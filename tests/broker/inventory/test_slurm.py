@@ -90,7 +90,7 @@ def _job(cluster: LocalSlurmCluster, lease: dict[str, Any]) -> dict[str, str]:
 
 def _slurm_gpus(cluster: LocalSlurmCluster, job_id: str) -> list[str]:
     """The GPUs Slurm gave a job, as the broker names them (``slurm:<node>:<index>``)."""
-    from lease_broker.inventory.slurm import _IDX_RE, expand_hostlist, expand_indices
+    from lease_broker.inventory.slurm_cli import _IDX_RE, expand_hostlist, expand_indices
 
     text = cluster.run("scontrol", "--details", "show", "job", job_id)
     return sorted(f"slurm:{node}:{i}" for m in _IDX_RE.finditer(text) for node in expand_hostlist(m.group(1))
