@@ -100,40 +100,14 @@ class Worker(abc.ABC):
     def close(self) -> None:
         """Let go of the worker (its lifeline closes: it exits). May be called twice."""
 
-    # ---------------------------------------------------------------- what the worker wrote, by pipe
-    def _streams(self) -> None:
-        """What ``_relay`` keeps: the ready message, results not yet taken, the stderr's tail and the decoders."""
-        self.ready = None
-        self._frames = transfer.FrameReader()
-        self._results: list[dict[str, Any]] = []
-        self._stderr_tail = b""
-        self._decoders = {1: OutputDecoder(), 2: OutputDecoder()}
-
-    def _relay(self, tag: int, data: bytes, out: Sink, err: Sink) -> None:
-        """A chunk from the worker's stdout (tag 1) or stderr (2, its tail kept for a crash's message) to ``out`` or
-        ``err``; from its control pipe (3): the ready message, then results."""
-        if tag == 3:
-            for msg in self._frames.feed(data):
-                if msg.get("type") == "ready":
-                    self.ready = msg
-                else:
-                    self._results.append(msg)
-            return
-        if tag == 2:
-            self._stderr_tail = (self._stderr_tail + data)[-4000:]
-        text = self._decoders[tag].decode(data)
-        if text:
-            (out if tag == 1 else err)(text)
-
-    def _tail(self) -> str:
-        return self._stderr_tail.decode(errors="replace")
-
 
 class RelayedWorker(Worker):
     """``poll()`` for workers whose output and results reach the kernel through a relay that reads the
     worker's pipes in separate threads (a Ray actor, a Slurm step): the worker flushed its output before it
     answered, so what is still on the way is taken before the result, and the cell's last lines never
     arrive after it (in the next cell)."""
+
+    _results: list[dict[str, Any]]
 
     @abc.abstractmethod
     def _ended(self) -> bool: ...

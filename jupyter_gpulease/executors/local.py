@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..wire import fastpath, transfer
 from ..worker.env import worker_env
-from .base import Executor, Sink, Worker, WorkerCrashed
+from .base import Executor, OutputDecoder, Sink, Worker, WorkerCrashed
 
 if TYPE_CHECKING:
     from ..lease_view import LeaseView
@@ -49,7 +49,11 @@ class LocalWorker(Worker):
             os.close(w)
         self.pid = self.proc.pid
         self.ctrl = r
-        self._streams()
+        self.ready: dict[str, Any] | None = None
+        self._frames = transfer.FrameReader()
+        self._results: list[dict[str, Any]] = []
+        self._stderr_tail = b""
+        self._decoders = {1: OutputDecoder(), 2: OutputDecoder()}
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for f, tag in ((self.proc.stdout, 1), (self.proc.stderr, 2), (r, 3)):
@@ -77,7 +81,7 @@ class LocalWorker(Worker):
         if self._results:
             return self._results.pop(0)
         if not self._sel.get_map():
-            raise WorkerCrashed(self._exit_status(), self._tail())
+            raise WorkerCrashed(self._exit_status(), self._stderr_tail.decode(errors="replace"))
         for key, _ in self._sel.select(timeout):
             self._read(key, out, err)
         if self._results:
@@ -105,7 +109,18 @@ class LocalWorker(Worker):
             if key.data == 3:
                 os.close(fd)
             return
-        self._relay(key.data, data, out, err)
+        if key.data == 3:
+            for msg in self._frames.feed(data):
+                if msg.get("type") == "ready":
+                    self.ready = msg
+                else:
+                    self._results.append(msg)
+            return
+        if key.data == 2:
+            self._stderr_tail = (self._stderr_tail + data)[-4000:]
+        text = self._decoders[key.data].decode(data)
+        if text:
+            (out if key.data == 1 else err)(text)
 
     def _exit_status(self) -> int | None:
         try:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..wire import transfer
 from ..worker.env import worker_env
-from .base import PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -183,7 +183,11 @@ class RayWorker(RelayedWorker):
             ray.kill(self.actor)
             raise
         self.pid: int = self.info["pid"]
-        self._streams()
+        self.ready: dict[str, Any] | None = None
+        self._frames = transfer.FrameReader()
+        self._results: list[dict[str, Any]] = []
+        self._stderr_tail = b""
+        self._decoders = {1: OutputDecoder(), 2: OutputDecoder()}
         self._returncode: int | None = None
         self._done = False  # every pipe closed
         self._dead = ""  # the actor itself is gone: why
@@ -219,12 +223,29 @@ class RayWorker(RelayedWorker):
             self._dead = f"its Ray actor died ({type(e).__name__})"
             self._stderr_tail += f"\n[gpulease] the worker's Ray actor is gone: {e}".encode()[:1000]
             return 0
+        chunks = 0
         for tag, data in events:
-            if data:
-                self._relay(tag, data, out, err)
+            if not data:
+                continue
+            if tag == 3:
+                for msg in self._frames.feed(data):
+                    if msg.get("type") == "ready":
+                        self.ready = msg
+                    else:
+                        self._results.append(msg)
+                continue
+            if tag == 2:
+                self._stderr_tail = (self._stderr_tail + data)[-4000:]
+            chunks += 1
+            text = self._decoders[tag].decode(data)
+            if text:
+                (out if tag == 1 else err)(text)
         if not still_open:  # every pipe closed: the worker is gone
             self._returncode, self._done = code, True
-        return sum(1 for tag, data in events if data and tag != 3)
+        return chunks
+
+    def _tail(self) -> str:
+        return self._stderr_tail.decode(errors="replace")
 
     def drain(self, out: Sink, err: Sink) -> None:
         if not self._done and not self._dead:

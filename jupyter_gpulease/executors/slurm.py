@@ -37,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..wire import transfer
 from ..worker.env import worker_env
-from .base import PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
+from .base import OutputDecoder, PlacedExecutor, RelayedWorker, Sink, WorkerCrashed, inputs_on_shared_storage
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -114,7 +114,7 @@ class SlurmWorker(RelayedWorker):
         except FileNotFoundError:
             raise SlurmStartError(NO_CLIENT) from None
         self.events: queue.Queue[tuple[int, bytes]] = queue.Queue()
-        self._streams()  # (before the threads: one keeps srun's stderr in its tail)
+        self._stderr_tail = b""
         self._worker_rc: int | None = None
         self._wlock = threading.Lock()
         self._out_closed = threading.Event()
@@ -123,6 +123,10 @@ class SlurmWorker(RelayedWorker):
                          name="gpulease-srun-out").start()
         threading.Thread(target=self._read_err, args=(self.proc.stderr,), daemon=True,
                          name="gpulease-srun-err").start()
+        self.ready: dict[str, Any] | None = None
+        self._frames = transfer.FrameReader()
+        self._results: list[dict[str, Any]] = []
+        self._decoders = {STDOUT: OutputDecoder(), STDERR: OutputDecoder()}
         self._done = False
         self.info = self._wait_info()
         self.pid: int = int(self.info["pid"])
@@ -212,10 +216,23 @@ class SlurmWorker(RelayedWorker):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(5)
                 continue
-            if tag in (STDOUT, STDERR, CTRL) and data:
-                chunks += tag != CTRL
-                self._relay(tag, data, out, err)
+            if tag == CTRL and data:
+                for msg in self._frames.feed(data):
+                    if msg.get("type") == "ready":
+                        self.ready = msg
+                    else:
+                        self._results.append(msg)
+            elif tag in (STDOUT, STDERR) and data:
+                chunks += 1
+                if tag == STDERR:
+                    self._stderr_tail = (self._stderr_tail + data)[-4000:]
+                text = self._decoders[tag].decode(data)
+                if text:
+                    (out if tag == STDOUT else err)(text)
         return chunks
+
+    def _tail(self) -> str:
+        return self._stderr_tail.decode(errors="replace")
 
     def drain(self, out: Sink, err: Sink) -> None:
         if not self._done:
