@@ -174,7 +174,7 @@ def _trivial(value: Any) -> bool:
 
 
 def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devices: bool = False,
-          path: str | None = None) -> dict[str, Any]:
+          path: str | None = None, inline: bool = False) -> dict[str, Any]:
     """Pickle ``value``; buffers of at least OOB_MIN_BYTES travel out of band.
 
     Plain data uses the standard pickler; anything else cloudpickle (by value for what the
@@ -183,7 +183,8 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devic
     in ``directory``. With ``vm`` they stay where they are instead: ``"vm": [(address, len)]``
     says where, and ``"_hold"`` (to pop before sending) keeps them alive until they are copied. ``keep_devices``:
     tensors on a GPU come back onto their device when loaded (see ``on_device``), not on the CPU. ``path``: the
-    buffer file's name (default: a new random one in ``directory``).
+    buffer file's name (default: a new random one in ``directory``). ``inline``: no file either, the buffers travel
+    in the message itself (``"inline"``: the channel of a worker on a node without the shared artifact root).
     """
     big: list[pickle.PickleBuffer] = []
 
@@ -202,6 +203,8 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devic
         if vm:
             out["vm"] = vmcopy.spans(raws)
             out["_hold"] = raws
+        elif inline:
+            out["inline"] = big
         else:
             out["file"], out["spans"] = write_buffers(raws, directory, path)
     return out
@@ -231,7 +234,9 @@ def loads(packed: dict[str, Any], buffers: list[Any] | None = None, keep_file: b
     otherwise the buffer file is mapped copy-on-write and removed at once (``keep_file``: left in place). A buffer
     file that is not this user's own regular file, or that others can write, is refused (``UnsafePathError``)."""
     path = packed.get("file")
-    if buffers is None and path:
+    if buffers is None and packed.get("inline") is not None:
+        buffers = list(packed["inline"])
+    elif buffers is None and path:
         try:
             with os.fdopen(open_private(path), "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -242,6 +247,22 @@ def loads(packed: dict[str, Any], buffers: list[Any] | None = None, keep_file: b
         view = memoryview(mm) if mm is not None else memoryview(b"")
         buffers = [view[off : off + n] for off, n in packed["spans"]]
     return pickle.loads(packed["data"], buffers=buffers or [])
+
+
+def to_inline(packed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``packed`` with its buffer file's contents in the message (``"inline"``) and the file removed: for a worker
+    that cannot read the file (a node without the shared artifact root)."""
+    if not packed or not packed.get("file"):
+        return packed
+    try:
+        with os.fdopen(open_private(packed["file"]), "rb") as fh:
+            data = bytearray(os.fstat(fh.fileno()).st_size)  # writable: the values come out writable, as from a file
+            fh.readinto(data)
+    finally:
+        discard(packed)
+    view = memoryview(data)
+    return {**packed, "file": None, "spans": [],
+            "inline": [pickle.PickleBuffer(view[off : off + n]) for off, n in packed["spans"]]}
 
 
 def discard(packed: dict[str, Any] | None) -> None:
@@ -309,11 +330,13 @@ def dumps_named(values: dict[str, Any], directory: str | None = None, vm: bool =
         raise TransferError(f"Cannot send values {sorted(values)}: {e}") from None
 
 
-def dumps_result(outputs: dict[str, Any], value: Any, directory: str | None = None, vm: bool = False) -> dict[str, Any]:
-    """dumps() a cell's ``--out`` values and its value together; on failure, a ``TransferError`` that names the
-    user's variable (or the cell's value) and its type, never the wrapper dict this packs them in."""
+def dumps_result(outputs: dict[str, Any], value: Any, directory: str | None = None, vm: bool = False,
+                 inline: bool = False) -> dict[str, Any]:
+    """dumps() a cell's ``--out`` values and its value together (``inline``: see ``dumps``); on failure, a
+    ``TransferError`` that names the user's variable (or the cell's value) and its type, never the wrapper dict
+    this packs them in."""
     try:
-        return dumps({"outputs": outputs, "value": value}, directory, vm)
+        return dumps({"outputs": outputs, "value": value}, directory, vm, inline=inline)
     except Exception as e:
         import cloudpickle
 
@@ -358,6 +381,13 @@ def send(stream: IO[bytes], msg: Any) -> None:
     stream.flush()
 
 
+def framed(msg: Any) -> tuple[bytes, bytes]:
+    """``send``'s bytes as (header, body), for a channel that carries them in pieces: a large message is not
+    copied once more to join them."""
+    data = pickle.dumps(msg, protocol=5)
+    return _HEADER.pack(len(data)), data
+
+
 def recv(stream: IO[bytes]) -> Any:
     """One message, or None at end of stream."""
     head = _read_exact(stream, _HEADER.size)
@@ -387,13 +417,14 @@ class FrameReader:
     def __init__(self) -> None:
         self.buf = bytearray()
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes | bytearray) -> list[Any]:
         self.buf += data
         out = []
         while len(self.buf) >= _HEADER.size:
             (n,) = _HEADER.unpack_from(self.buf)
             if len(self.buf) < _HEADER.size + n:
                 break
-            out.append(pickle.loads(bytes(self.buf[_HEADER.size : _HEADER.size + n])))
+            with memoryview(self.buf) as whole, whole[_HEADER.size : _HEADER.size + n] as body:
+                out.append(pickle.loads(body))  # not copied first (a message may carry 200 MB in band)
             del self.buf[: _HEADER.size + n]
         return out

@@ -133,6 +133,23 @@ def test_large_values_on_a_node_with_an_unshared_root_go_through_the_direct_chan
     assert after["stdio"] - before["stdio"] < 1 << 20  # srun's stdio: the small messages only
 
 
+SWITCH = "get_ipython().magics_manager.registry['GpuMagics'].executors['slurm'].direct_channel = {}"
+
+
+def test_large_values_unshared_root_through_srun_stdio_with_the_direct_channel_off(
+        kernel: Any, client: BrokerClient, hidden: str) -> None:
+    """``SlurmExecutor.direct_channel = False`` (and a node that cannot connect): srun's own stdio, same values."""
+    _large_values_both_ways(kernel, 4, "n1")  # (the executor exists)
+    assert kernel.run(SWITCH.format(False)).status == "ok"
+    try:
+        before = _moved(kernel)
+        _large_values_both_ways(kernel, 2, "n2")
+        after = _moved(kernel)
+    finally:
+        assert kernel.run(SWITCH.format(True)).status == "ok"
+    assert after["direct"] == before["direct"] and after["stdio"] - before["stdio"] >= 2 * (8 << 21)
+
+
 def test_large_values_direct_channel_refuses_a_wrong_key_and_an_altered_frame() -> None:
     """The kernel's end accepts only a connection that proves the key (one that does not is closed, and the relay
     that does is taken after it); a frame altered on the way is refused, and the channel closed."""

@@ -72,9 +72,10 @@ def test_a_queued_request_granted_is_told_by_webhook_and_mail(broker_factory, tm
     assert to == ["me@example.org"] and second.id in mail["Subject"] and "granted" in mail["Subject"]
     assert second.id in mail.get_payload()
     assert len(hook.received) == 1  # the first lease, granted at once, was no news
-    text = scrape_metrics(b.socket)
-    assert 'gpulease_notifications_total{channel="webhook",result="sent"} 1.0' in text
-    assert 'gpulease_notifications_total{channel="email",result="sent"} 1.0' in text
+    sent = ('gpulease_notifications_total{channel="webhook",result="sent"} 1.0',
+            'gpulease_notifications_total{channel="email",result="sent"} 1.0')
+    # (counted once the receiver answered, which may be just after it recorded the request)
+    wait_for(lambda: all(m in scrape_metrics(b.socket) for m in sent), timeout=15)
     assert "secret-path" not in b.log_path.read_text()  # the webhook URL is a secret: never logged
 
 
