@@ -9,7 +9,7 @@ To add a module: create ``benchmarks/NAME.py`` with ``TITLE`` and ``run(opts)``,
 from __future__ import annotations
 
 #: Benchmark modules, in the order their sections appear in BENCHMARKS.md.
-MODULES: list[str] = ["broker", "notify", "queue", "enforcement", "holders", "cell", "suspend", "replay", "replay_scale", "replay_month", "backends", "reply_to_free", "remote_values", "demo", "load", "reliability"]
+MODULES: list[str] = ["broker", "notify", "queue", "enforcement", "holders", "cell", "suspend", "replay", "replay_scale", "replay_month", "backends", "reply_to_free", "remote_values", "warm_ray", "demo", "load", "reliability"]
 
 #: Run by ``make soak`` (``--only load --only reliability``), not by a plain ``python -m benchmarks``: they
 #: re-run the fault, security and fuzz suites and hold 1,000 clients for a minute (about 10 minutes).

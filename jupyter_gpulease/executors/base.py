@@ -180,6 +180,10 @@ class Executor(LoggingConfigurable):
     def shutdown(self) -> None:
         """Stop what the executor keeps ready (pre-started workers)."""
 
+    def prepare(self, inventory: dict[str, Any]) -> None:
+        """Get ready for the first lease, in the background at the kernel's start (the broker's ``inventory`` as
+        ``GET /info`` describes it places leases with this executor's engine): e.g. join the engine's cluster."""
+
     @staticmethod
     def env_timeout(kind: str) -> float:
         """The start timeout from ``$GPULEASE_<KIND>_START_TIMEOUT``, else 120 s."""

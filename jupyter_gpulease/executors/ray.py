@@ -9,6 +9,10 @@ messages and hands back its output as it comes (the kernel polls an actor method
 actor dies (the lease ended and the broker removed the group, or the kernel killed it), the
 worker's stdin closes and the worker kills its own process group.
 
+A single-use cell instead borrows a pre-started worker from the kernel's warm actor on the node (``WarmCell``,
+``RayExecutor.warm``): outside the group, with the GPU IDs Ray assigned in the group (a task there reports them),
+watching the group while the worker is lent and killing the worker's process group once the group is removed.
+
 Values over 1 MiB travel out of band as files in ``<lease artifact dir>/.oob`` where the node sees the
 kernel's artifact root (the marker check, ``base.RootCheck``); elsewhere through Ray's object store: in the
 job (the actor writes them to one file in its node's /dev/shm for the worker) and in the actor's replies.
@@ -30,7 +34,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Unicode, default
+from traitlets import Bool, Unicode, default
 
 from ..wire import transfer
 from ..worker.env import sees_marker, worker_env
@@ -58,6 +62,12 @@ class CellProcess:
 
         ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         self.visible = ",".join(str(i) for i in ids)
+        self._start(python, args, env)
+
+    def _start(self, python: str, args: list[str], env: dict[str, str]) -> None:
+        """Start a worker process (``self.proc``) with fresh pipes and pumps."""
+        import ray
+
         r, w = os.pipe()
         where = {"GPULEASE_NODE_IP": ray.util.get_node_ip_address(),
                  "GPULEASE_RAY_ACTOR_ID": ray.get_runtime_context().get_actor_id() or ""}
@@ -79,19 +89,22 @@ class CellProcess:
             )
         finally:
             os.close(w)
+        # each worker its own queue: the pumps of a warm actor's previous worker never feed the next one's
         self.events: queue.Queue[tuple[int, bytes]] = queue.Queue()
         self._open = 3
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for fd, tag in ((self.proc.stdout.fileno(), 1), (self.proc.stderr.fileno(), 2), (r, 3)):
-            threading.Thread(target=self._pump, args=(fd, tag), daemon=True, name=f"gpulease-pump-{tag}").start()
+            threading.Thread(target=self._pump, args=(fd, tag, self.events), daemon=True,
+                             name=f"gpulease-pump-{tag}").start()
 
-    def _pump(self, fd: int, tag: int) -> None:
+    @staticmethod
+    def _pump(fd: int, tag: int, events: queue.Queue[tuple[int, bytes]]) -> None:
         while True:
             try:
                 data = os.read(fd, 1 << 16)
             except OSError:
                 data = b""
-            self.events.put((tag, data))
+            events.put((tag, data))
             if not data:
                 if tag == 3:
                     os.close(fd)
@@ -143,6 +156,9 @@ class CellProcess:
             return None
 
     def signal(self, sig: int) -> None:
+        self._signal(sig)
+
+    def _signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if sig == signal.SIGINT:  # like a local run: to the worker only (it raises KeyboardInterrupt)
                 os.kill(self.proc.pid, sig)
@@ -151,14 +167,114 @@ class CellProcess:
 
     def kill(self, grace: float) -> int | None:
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            self.signal(sig)
+            self._signal(sig)
             if self._wait(wait) is not None:
                 break
-        self.signal(signal.SIGKILL)  # what is left of the group (the cell's own children)
+        self._signal(signal.SIGKILL)  # what is left of the group (the cell's own children)
         return self.proc.returncode
 
     def wait(self, timeout: float) -> int | None:
         return self._wait(timeout)
+
+
+#: how often a warm actor's lent worker checks that its lease's placement group still exists (seconds): the
+#: bound it adds to how soon a revoked or ended lease's cell is stopped (an actor in the group dies with it at once)
+WATCH_SECONDS = 0.1
+
+
+class WarmCell(CellProcess):
+    """A kernel's warm actor on one GPU node: holds one pre-started single-use worker and lends it to one cell at a
+    time, so that a cell pays for neither an actor nor an interpreter start.
+
+    It lives outside every lease's placement group (no CPUs or GPUs of its own, pinned to its node), owned by the
+    kernel (not detached: it dies with the kernel's driver, and the worker's lifeline with it). A cell ``claim``s the
+    worker with its lease's group and the GPU IDs Ray assigned in it (the kernel asks the group, ``gpu_ids``); while
+    it is lent, a thread watches the group and kills the worker's process group once the group is removed (the
+    lease ended: released, revoked, expired), as Ray kills an actor in it. ``release`` ends the loan and starts the
+    next worker. Every call a cell makes names its claim: a stale handle never reaches the next cell's worker."""
+
+    def __init__(self, python: str, args: list[str], env: dict[str, str]) -> None:
+        self.visible = ""
+        self._spec = (python, args, env)
+        self._lock = threading.Lock()
+        self._claim = 0  # the loan's number while the worker is lent, else 0
+        self._claims = itertools.count(1)
+        self._stop = threading.Event()
+        self._start(python, args, env)
+
+    def claim(self, placement_group_id: str, visible: str) -> dict[str, Any]:
+        """Lend the worker to a cell of the lease whose group is ``placement_group_id``: its info and ``claim`` (the
+        number its calls name), ``{"busy": True}`` while another cell has it."""
+        with self._lock:
+            if self._claim:
+                return {"busy": True}
+            if not self.error and self.proc.poll() is not None:  # it died waiting: a new one
+                self._start(*self._spec)
+            if self.error:
+                return self.info()
+            self._claim = next(self._claims)
+            self.visible = visible
+            self._stop = threading.Event()
+            threading.Thread(target=self._watch, args=(self._claim, placement_group_id, self._stop), daemon=True,
+                             name="gpulease-watch").start()
+            return {**self.info(), "claim": self._claim}
+
+    def _watch(self, claim: int, placement_group_id: str, stop: threading.Event) -> None:
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup, placement_group_table
+
+        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement_group_id)))
+        while not stop.wait(WATCH_SECONDS):
+            try:
+                removed = placement_group_table(pg).get("state") == "REMOVED"
+            except Exception:  # the GCS did not answer: ask again
+                continue
+            if removed:
+                with self._lock:
+                    if self._claim == claim:  # the lease ended: its GPUs are no longer this worker's
+                        self._signal(signal.SIGKILL)
+                return
+
+    def release(self, claim: int) -> None:
+        """End the loan: the worker (done with its one cell, else killed) is replaced by a new one."""
+        with self._lock:
+            if claim != self._claim:
+                return
+            self._stop.set()
+            self._claim, self.visible = 0, ""
+            if self.proc.poll() is None:
+                CellProcess.kill(self, 0.5)
+            self._start(*self._spec)  # in the background from here on: the interpreter starts while no cell waits
+
+    def _lent(self, claim: int) -> bool:
+        return bool(claim) and claim == self._claim
+
+    def submit(self, job: dict[str, Any], claim: int = 0) -> None:
+        if not self._lent(claim):
+            raise RuntimeError("this worker was not lent to the cell")
+        super().submit(job)
+
+    def poll(self, timeout: float, claim: int = 0) -> tuple[list[tuple[int, bytes]], int | None, int]:
+        if not self._lent(claim):
+            return [], None, 0
+        return super().poll(timeout)
+
+    def signal(self, sig: int, claim: int = 0) -> None:
+        if self._lent(claim):
+            super().signal(sig)
+
+    def kill(self, grace: float, claim: int = 0) -> int | None:
+        return super().kill(grace) if self._lent(claim) else None
+
+    def wait(self, timeout: float, claim: int = 0) -> int | None:
+        return super().wait(timeout) if self._lent(claim) else None
+
+
+def gpu_ids() -> str:
+    """(A Ray task in a lease's group, on the GPU node.) The GPU IDs Ray assigned there, as CUDA_VISIBLE_DEVICES."""
+    import ray
+
+    return ",".join(str(i) for i in ray.get_gpu_ids())
 
 
 class RayStartError(RuntimeError):
@@ -178,22 +294,102 @@ def _connect(placement: dict[str, Any], client_address: str = "") -> Any:
     once (``ray.init`` would wait 60 s for one)."""
     import ray
 
-    if not ray.is_initialized():
-        if client_address:
-            ray.init(address=client_address, namespace=placement.get("namespace"), log_to_driver=False,
-                     configure_logging=False)
-            return ray
-        from ray._private.services import find_node_ids
-
-        if not find_node_ids():  # how ray.init itself looks for this host's raylet
-            raise RayStartError(
-                f"no Ray node runs on this host, and joining the Ray cluster at {placement['address']} as a driver "
-                "needs one: set RayExecutor.client_address = 'ray://<head>:10001' (Ray Client; "
-                "$GPULEASE_RAY_CLIENT_ADDRESS), or start a Ray node here (ray start --address=...)")
-        extra: dict[str, Any] = {"_node_ip_address": os.environ["GPULEASE_RAY_NODE_IP"]} if os.environ.get("GPULEASE_RAY_NODE_IP") else {}
-        ray.init(address=placement["address"], namespace=placement.get("namespace"), log_to_driver=False,
-                 configure_logging=False, **extra)
+    with _CONNECT:  # the kernel's first cell and its start (RayExecutor.prepare) may both come here
+        if not ray.is_initialized():
+            _init(ray, placement, client_address)
     return ray
+
+
+_CONNECT = threading.Lock()
+
+
+def _init(ray: Any, placement: dict[str, Any], client_address: str) -> None:
+    if client_address:
+        ray.init(address=client_address, namespace=placement.get("namespace"), log_to_driver=False,
+                 configure_logging=False)
+        return
+    from ray._private.services import find_node_ids
+
+    if not find_node_ids():  # how ray.init itself looks for this host's raylet
+        raise RayStartError(
+            f"no Ray node runs on this host, and joining the Ray cluster at {placement['address']} as a driver "
+            "needs one: set RayExecutor.client_address = 'ray://<head>:10001' (Ray Client; "
+            "$GPULEASE_RAY_CLIENT_ADDRESS), or start a Ray node here (ray start --address=...)")
+    extra: dict[str, Any] = {"_node_ip_address": os.environ["GPULEASE_RAY_NODE_IP"]} if os.environ.get("GPULEASE_RAY_NODE_IP") else {}
+    ray.init(address=placement["address"], namespace=placement.get("namespace"), log_to_driver=False,
+             configure_logging=False, **extra)
+
+
+class WarmActors:
+    """The kernel's warm actors (``WarmCell``), one per GPU node and interpreter, each made when a cell first needs
+    one there, killed at the kernel's shutdown (and with the kernel, as their owner)."""
+
+    def __init__(self) -> None:
+        self._actors: dict[tuple[str, str], Any] = {}
+        self._answered: set[tuple[str, str]] = set()  # those that answered once: later calls wait call_timeout
+        self._lock = threading.Lock()
+        self._gpu_ids: Any = None
+
+    def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg: Any, python: str, env: dict[str, str],
+             start_timeout: float, call_timeout: float) -> tuple[Any, dict[str, Any]] | None:
+        """(actor, its claim's info) for a cell of the lease: the node's warm worker, lent with the GPU IDs Ray
+        assigned in the lease's group; None where it cannot be (busy, or its actor failed: then it is killed and
+        the next cell makes a new one), and the cell starts its own actor."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        node = str(placement["bundles"][bundle].get("node") or "")
+        # the kernel's PYTHON* settings act at the interpreter's start: a worker started with others is not lent
+        key = (node, python + repr(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON"))))
+        if self._gpu_ids is None:
+            self._gpu_ids = ray.remote(num_cpus=0)(gpu_ids)
+        # which of the node's GPUs the group holds: a task in the group (Ray keeps a worker for it: milliseconds)
+        ids = self._gpu_ids.options(
+            num_gpus=float(placement["bundles"][bundle].get("gpus", 1)),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)).remote()
+        with self._lock:
+            actor = self._actors.get(key)
+            if actor is None:
+                node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node),
+                               None)
+                if node_id is None:
+                    return None
+                actor = self._actors[key] = (
+                    ray.remote(WarmCell)
+                    .options(num_cpus=0, num_gpus=0, max_restarts=0, max_concurrency=4,
+                             name=f"gpulease-warm-{node}-w{os.getpid()}-{os.urandom(3).hex()}",
+                             namespace=placement.get("namespace"),
+                             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+                    .remote(python, [], env)
+                )
+        timeout = call_timeout if key in self._answered else start_timeout
+        try:
+            visible = ray.get(ids, timeout=start_timeout)
+            info: dict[str, Any] = ray.get(actor.claim.remote(placement["placement_group_id"], visible),
+                                           timeout=timeout)
+        except Exception:
+            self._forget(ray, key, actor)
+            return None
+        self._answered.add(key)
+        return None if info.get("busy") else (actor, info)
+
+    def _forget(self, ray: Any, key: tuple[str, str], actor: Any) -> None:
+        with self._lock:
+            if self._actors.get(key) is actor:
+                del self._actors[key]
+            self._answered.discard(key)
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            actors, self._actors = list(self._actors.values()), {}
+            self._answered.clear()
+        if actors:
+            import ray
+
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
 
 
 class RayWorker(RelayedWorker):
@@ -203,7 +399,10 @@ class RayWorker(RelayedWorker):
 
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
                  session: bool = False, bundle: int = 0, lease_id: str = "", start_timeout: float = DEFAULT_START_TIMEOUT,
-                 call_timeout: float = DEFAULT_CALL_TIMEOUT, client_address: str = "") -> None:
+                 call_timeout: float = DEFAULT_CALL_TIMEOUT, client_address: str = "",
+                 warm: WarmActors | None = None) -> None:
+        """``warm``: the kernel's warm actors; a single-use worker is then borrowed from the node's (``WarmCell``),
+        else (a session, the warm one busy or failing) started in a new actor in the lease's group."""
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         ray = _connect(placement, client_address)
         from ray._raylet import PlacementGroupID
@@ -219,27 +418,37 @@ class RayWorker(RelayedWorker):
         # the kernel's own settings (not what a worker must not inherit: unbuffered output and the like)
         env = {k: v for k, v in worker_env().items() if k.startswith(("GPULEASE_", "PYTHON"))}
         # the cell may use the rest of its gang (the group's other bundles, on other nodes) through Ray itself
-        env.update({"GPULEASE_RAY_ADDRESS": str(placement.get("address") or ""),
-                    "GPULEASE_RAY_NAMESPACE": str(placement.get("namespace") or ""),
-                    "GPULEASE_RAY_PLACEMENT_GROUP_ID": placement["placement_group_id"],
-                    "GPULEASE_RAY_BUNDLE": str(bundle), "GPULEASE_RAY_BUNDLES": str(len(placement["bundles"]))})
+        self._lease_env = {"GPULEASE_RAY_ADDRESS": str(placement.get("address") or ""),
+                           "GPULEASE_RAY_NAMESPACE": str(placement.get("namespace") or ""),
+                           "GPULEASE_RAY_PLACEMENT_GROUP_ID": placement["placement_group_id"],
+                           "GPULEASE_RAY_BUNDLE": str(bundle), "GPULEASE_RAY_BUNDLES": str(len(placement["bundles"]))}
         self.name = worker_name(lease_id or placement.get("placement_group", "gpulease-?")[len("gpulease-"):])
-        # owned by the kernel (not detached): a kernel that dies takes its workers with it; the lease's
-        # group, owned by the broker, is what outlives a broker restart
-        self.actor = (
-            ray.remote(CellProcess)
-            .options(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4, name=self.name,
-                     namespace=placement.get("namespace"),
-                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
-            .remote(python or sys.executable, args, env)
-        )
-        try:
-            self.info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=self.start_timeout)
-        except Exception:
-            ray.kill(self.actor)
-            raise
+        self._claim = 0  # the loan's number: a worker borrowed from the node's warm actor
+        self._kernel_env = {k: v for k, v in env.items() if k.startswith("GPULEASE_")}
+        self.info: dict[str, Any]
+        lent = None if warm is None or session else warm.lend(
+            ray, placement, bundle, pg, python or sys.executable, env, start_timeout, call_timeout)
+        if lent is not None:
+            self.actor, self.info = lent[0], lent[1]
+            self._claim = int(self.info.get("claim") or 0)
+        else:
+            # owned by the kernel (not detached): a kernel that dies takes its workers with it; the lease's
+            # group, owned by the broker, is what outlives a broker restart
+            self.actor = (
+                ray.remote(CellProcess)
+                .options(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4, name=self.name,
+                         namespace=placement.get("namespace"),
+                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
+                .remote(python or sys.executable, args, {**env, **self._lease_env})
+            )
+            try:
+                self.info = ray.get(self.actor.info.remote(), timeout=self.start_timeout)
+            except Exception:
+                ray.kill(self.actor)
+                raise
+        self._kw: dict[str, int] = {"claim": self._claim} if self._claim else {}
         if self.info.get("error"):
-            ray.kill(self.actor)
+            self.close()
             raise RayStartError(self.info["error"])
         self.pid: int = self.info["pid"]
         # values through the shared artifact root only where this node sees it, else through Ray's object store
@@ -270,8 +479,10 @@ class RayWorker(RelayedWorker):
         job = self._root.job(job)
         if self._ended():
             return  # poll() says how
+        if self._claim:  # a borrowed worker started before the cell: the kernel's settings now, the lease's
+            job["env"] = {**self._kernel_env, **(job.get("env") or {}), **self._lease_env}
         try:
-            ray.get(self.actor.submit.remote(job), timeout=self.call_timeout + _moving_seconds(job))
+            ray.get(self.actor.submit.remote(job, **self._kw), timeout=self.call_timeout + _moving_seconds(job))
         except ray.exceptions.GetTimeoutError:
             self._hung("take the job")
         except Exception as e:  # RayActorError: the actor (and so the worker) is gone
@@ -304,7 +515,7 @@ class RayWorker(RelayedWorker):
         import ray
 
         try:
-            events, code, still_open = ray.get(self.actor.poll.remote(timeout), timeout=timeout + self.call_timeout)
+            events, code, still_open = ray.get(self.actor.poll.remote(timeout, **self._kw), timeout=timeout + self.call_timeout)
         except ray.exceptions.GetTimeoutError:
             self._hung("hand over the worker's output")
             return 0
@@ -342,14 +553,14 @@ class RayWorker(RelayedWorker):
     # ---------------------------------------------------------------- stopping
     def interrupt(self) -> None:
         with contextlib.suppress(Exception):
-            self.actor.signal.remote(int(signal.SIGINT))
+            self.actor.signal.remote(int(signal.SIGINT), **self._kw)
 
     def kill(self, grace: float = 2.0) -> None:
         import ray
 
         if not self._dead:  # the actor's kill: SIGTERM, SIGKILL after grace, then up to 5 s for the exit
             with contextlib.suppress(Exception):
-                self._returncode = ray.get(self.actor.kill.remote(grace), timeout=grace + 5.0 + self.call_timeout)
+                self._returncode = ray.get(self.actor.kill.remote(grace, **self._kw), timeout=grace + 5.0 + self.call_timeout)
         self.close()
 
     def wait_exit(self, timeout: float = 5.0) -> int | None:
@@ -357,15 +568,21 @@ class RayWorker(RelayedWorker):
 
         if self._returncode is None and not self._dead:
             with contextlib.suppress(Exception):
-                self._returncode = ray.get(self.actor.wait.remote(timeout), timeout=timeout + self.call_timeout)
+                self._returncode = ray.get(self.actor.wait.remote(timeout, **self._kw), timeout=timeout + self.call_timeout)
             if self._returncode is None:
                 self.kill(0.5)
         return self._returncode
 
     def close(self) -> None:
-        """Kill the actor: its GPUs go back to the lease's group; the worker's lifeline closes."""
+        """Kill the actor: its GPUs go back to the lease's group; the worker's lifeline closes. A borrowed worker's
+        loan ends instead (its warm actor kills it if it still runs, and starts the next)."""
         import ray
 
+        if self._claim and not self._dead:
+            claim, self._claim, self._done = self._claim, 0, True
+            with contextlib.suppress(Exception):
+                ray.get(self.actor.release.remote(claim), timeout=self.call_timeout)
+                return
         self._done = True
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
@@ -386,13 +603,41 @@ class RayExecutor(PlacedExecutor):
         "Default: $GPULEASE_RAY_CLIENT_ADDRESS, else empty. Example: 'ray://10.0.0.5:10001'.",
     )
 
+    warm = Bool(
+        True,
+        config=True,
+        help="Keep a warm worker on each GPU node this kernel's cells ran on (one Ray actor per node, outside the "
+        "leases' placement groups, with no CPUs or GPUs of its own, that dies with the kernel): a single-use cell "
+        "borrows it instead of starting an actor and an interpreter (about 2 s). False: a new actor in the lease's "
+        "placement group for every cell. Example: False.",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._warm = WarmActors()
+
     @default("client_address")
     def _env_client_address(self) -> str:
         return os.environ.get("GPULEASE_RAY_CLIENT_ADDRESS", "")
+
+    connect_early = Bool(
+        True,
+        config=True,
+        help="At the kernel's start, when the broker's leases are placed by Ray: import Ray and join the cluster in "
+        "the background (seconds of CPU), so that the kernel's first Ray cell does not wait for it. "
+        "False: at the first Ray cell. Example: False.",
+    )
+
+    def prepare(self, inventory: dict[str, Any]) -> None:
+        if self.connect_early and inventory.get("address"):
+            _connect({"address": inventory["address"], "namespace": inventory.get("namespace")}, self.client_address)
+
+    def shutdown(self) -> None:
+        self._warm.shutdown()
 
     def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
                session: bool) -> RayWorker:
         assert lease.placement is not None
         return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id,
                          start_timeout=self.start_timeout, call_timeout=self.call_timeout,
-                         client_address=self.client_address)
+                         client_address=self.client_address, warm=self._warm if self.warm else None)

@@ -179,6 +179,18 @@ class GpuMagics(Magics):
         preload = list(self.preload) if session else None  # single-use workers preload in the warm pool
         return executor.start(lease, self.worker_python or None, preload, session=session)
 
+    def prepare_engine(self) -> None:
+        """(In the background at load.) The executor of the engine that places the broker's leases (Ray, Slurm)
+        gets ready, so that the kernel's first remote cell does not pay for it (Ray: import and join the cluster)."""
+        try:
+            inventory = self.client.info().get("inventory") or {}
+            kind = placement_kind({"kind": inventory.get("kind")})
+            if kind != "local" and kind not in self.executors:
+                executor = self.executors.setdefault(kind, executor_class(kind)(parent=self))
+                executor.prepare(inventory)
+        except Exception:  # no broker yet, an engine this kernel cannot use: the first cell says why
+            return
+
     def _root(self) -> str:
         return self.artifact_root or _artifacts.default_root()
 
@@ -478,6 +490,7 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magics)
     _loaded[id(ipython)] = magics
     magics.pool.fill()
+    later(magics.prepare_engine)
     import atexit
 
     atexit.register(magics.shutdown)

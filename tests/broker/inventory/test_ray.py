@@ -322,8 +322,9 @@ def test_broker_restart_finds_its_groups_and_the_cells_workers_again(
     group = lease["placement"]["placement_group_id"]
     assert group in partial.stdout  # the cell knows its group (to use the rest of a gang through Ray)
     namespace = lease["placement"]["namespace"]
+    # the cell's worker: lent by the kernel's warm actor on the lease's node (outside the group, RayExecutor.warm)
     workers = [a for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["namespace"] == namespace and a["name"].startswith(f"gpulease-{lease['id']}-w")]
+               if a["namespace"] == namespace and a["name"].startswith(f"gpulease-warm-{lease['node']}-w")]
     assert len(workers) == 1, workers
 
     broker.kill9()  # no cleanup code runs
@@ -333,7 +334,7 @@ def test_broker_restart_finds_its_groups_and_the_cells_workers_again(
     again = _ready(client, client.lease(lease["id"]))
     assert again["state"] in ("granted", "active", "idle")
     assert again["placement"]["placement_group_id"] == group
-    assert "found again (worker actors: " + workers[0]["name"] in broker.log_path.read_text(errors="replace")
+    assert f"placement group gpulease-{lease['id']} found again" in broker.log_path.read_text(errors="replace")
     assert ray.get_actor(workers[0]["name"], namespace=namespace)  # still alive
 
     go.touch()

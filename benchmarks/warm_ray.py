@@ -1,0 +1,151 @@
+"""Warm Ray cells: what a trivial single-use ``%%gpu`` cell on a Ray lease adds to an inline cell, with the node's
+warm worker (``RayExecutor.warm``, the default) and without it (a new actor per cell), and a kernel's first Ray cell.
+
+One run, one real local Ray cluster (head 127.0.0.2 with 4 GPUs, 127.0.0.3 with 2: tests/ray_cluster.py), one real
+broker with ``--inventory=ray``, real kernels (tests/kernels.py) that join the cluster as drivers on the head. The
+peers run in the same kernel, round by round with the ``%%gpu`` cells (drift hits them all alike): ipyparallel's
+trivial ``%%px`` on one warm engine (benchmarks/cell_peers.py), and a call of a warm Ray actor on the same cluster
+(what a cell could at best cost through Ray). A kernel's first Ray cell is timed in a new kernel each time (Ray's
+driver connection, the node's warm actor and its worker start, the lease).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import cell_peers
+from .backends import TESTS
+from .report import Figure, figure
+
+TITLE = "Warm Ray cells: a trivial remote cell's added time and a kernel's first Ray cell"
+
+ACTOR_SETUP = ("import ray as _ray\n"
+               "@_ray.remote(num_cpus=0)\n"
+               "class _Warm:\n"
+               "    def call(self):\n"
+               "        return None\n"
+               "_warm = _Warm.remote()\n"
+               "_ray.get(_warm.call.remote(), timeout=120)\n")
+ACTOR_CALL = "_ray.get(_warm.call.remote())"
+
+
+def _timed(kernel: Any, code: str, timeout: float = 300) -> float:
+    t0 = time.perf_counter()
+    r = kernel.run(code, timeout=timeout)
+    took = (time.perf_counter() - t0) * 1000
+    if r.status != "ok":
+        raise RuntimeError(f"the cell failed: {code[:40]!r}: {r.outputs}")
+    return took
+
+
+def _connected(kernel: Any, timeout: float = 120) -> None:
+    """Wait (polling, bounded) until the kernel's background start joined the Ray cluster (RayExecutor.prepare)."""
+    deadline = time.monotonic() + timeout
+    while kernel.run("import sys\n_c = 'ray' in sys.modules and sys.modules['ray'].is_initialized()\n_c").result != "True":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the kernel did not join the Ray cluster within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def run(opts: Any) -> list[Figure]:
+    n = 3 if opts.quick else 20
+    firsts = 1 if opts.quick else 3
+    sys.path.insert(0, TESTS)
+    from ray_cluster import ray_missing
+
+    if ray_missing():
+        print(f"   skipped: {ray_missing()}", flush=True)
+        return []
+    from broker_process import BrokerProcess
+    from kernels import Kernel
+    from ray_cluster import HEAD, local_ray_cluster
+
+    tmp = tempfile.mkdtemp(prefix="glwarmray")
+    samples: dict[str, list[float]] = {}
+    missing: dict[str, str] = {}
+    try:
+        with local_ray_cluster() as c:
+            broker = kernel = None
+            try:
+                broker = BrokerProcess(Path(tmp) / "broker", args=[
+                    "--inventory=ray", f"--RayInventory.address={c.address}", f"--RayInventory.node_ip={HEAD}",
+                    "--tick=0.1", "--LeasePolicy.heartbeat_timeout=0"], env=c.env).start(timeout=120)
+                env = {**c.env, "GPULEASE_RAY_NODE_IP": HEAD}
+
+                def new_kernel(name: str) -> Any:
+                    ipython = os.path.join(tmp, f"ipython-{name}")
+                    return Kernel(broker.url, os.path.join(tmp, f"artifacts-{name}"),
+                                  {**env, **cell_peers.env(ipython)})
+
+                for i in range(firsts):  # a kernel's first Ray cell: a new kernel each time
+                    k = new_kernel(f"first{i}")
+                    try:
+                        _timed(k, "pass")
+                        samples.setdefault("first", []).append(_timed(k, "%%gpu 1\npass"))
+                        samples.setdefault("second", []).append(_timed(k, "%%gpu 1\npass"))
+                    finally:
+                        k.stop()
+                    k = new_kernel(f"connected{i}")  # the same, once the kernel's start joined the cluster
+                    try:
+                        _connected(k)
+                        samples.setdefault("connected", []).append(_timed(k, "%%gpu 1\npass"))
+                    finally:
+                        k.stop()
+                kernel = new_kernel("rounds")
+                _timed(kernel, "%%gpu 1\npass")  # the node's warm actor started, Ray's driver connected
+                _timed(kernel, ACTOR_SETUP)
+                missing = cell_peers.start(kernel, [cell_peers.PX])
+                executor = "get_ipython().magics_manager.registry['GpuMagics'].executors['ray']"
+                for _ in range(n):
+                    samples.setdefault("inline", []).append(_timed(kernel, "pass"))
+                    samples.setdefault("warm", []).append(_timed(kernel, "%%gpu 1\npass"))
+                    samples.setdefault("actor", []).append(_timed(kernel, ACTOR_CALL))
+                    if not missing:
+                        samples.setdefault("px", []).append(_timed(kernel, cell_peers.PX.trivial))
+                _timed(kernel, f"{executor}.warm = False")
+                for _ in range(max(2, n // 4)):  # slow (an actor per cell): fewer rounds
+                    samples.setdefault("inline_cold", []).append(_timed(kernel, "pass"))
+                    samples.setdefault("cold", []).append(_timed(kernel, "%%gpu 1\npass"))
+                _timed(kernel, f"{executor}.warm = True")
+                cell_peers.stop(kernel, [cell_peers.PX])
+            finally:
+                if kernel is not None:
+                    kernel.stop()
+                if broker is not None:
+                    broker.stop()
+    finally:
+        cell_peers.kill_leftovers(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    inline = statistics.median(samples["inline"])
+    inline_cold = statistics.median(samples["inline_cold"])
+    load = f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
+    px = samples.get("px", [])
+    px_name = cell_peers.PX.name + (f" (missing: {missing[cell_peers.PX.name]})" if missing else "") + \
+        ", its whole cell"
+    return [
+        figure("trivial Ray %%gpu cell, added time (warm worker)", "ms", [s - inline for s in samples["warm"]],
+               px_name, px, bar=("median", "<=", 100.0),
+               note=f"a single-use `%%gpu 1` cell of `pass` (lease, the node's warm worker lent with the group's GPU "
+                    f"IDs, release) less the median inline `pass` cell ({inline:.1f} ms) of the same rounds. {load}"),
+        figure("trivial Ray %%gpu cell, added time (a new actor per cell)", "ms",
+               [s - inline_cold for s in samples["cold"]],
+               "a warm Ray actor's call from the same kernel, its whole cell", samples["actor"],
+               note="RayExecutor.warm = False: the cell starts an actor (a Ray worker process) and an interpreter "
+                    "in the lease's placement group, as every Ray cell did before the warm worker."),
+        figure("a kernel's first Ray %%gpu cell", "ms", samples["first"],
+               "its second Ray %%gpu cell", samples["second"], bar=("median", "<=", 3000.0),
+               note="a new kernel each sample, its first Ray cell right after its start (and one inline cell): it "
+                    "waits for the kernel's background join of the Ray cluster (import ray, ray.init: "
+                    "RayExecutor.connect_early), starts the node's warm actor and its worker, and takes a lease."),
+        figure("a kernel's first Ray %%gpu cell, once the kernel joined the cluster", "ms", samples["connected"],
+               "its first Ray %%gpu cell right after its start", samples["first"],
+               note="a new kernel each sample, its first Ray cell once its background join of the cluster finished "
+                    "(polled): the node's warm actor and its worker start, and the lease."),
+    ]

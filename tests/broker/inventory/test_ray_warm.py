@@ -1,0 +1,195 @@
+"""Warm Ray cells: a kernel's single-use ``%%gpu`` cells borrow a pre-started worker from the kernel's warm actor on
+the node (``executors.ray.WarmCell``, outside the leases' placement groups) instead of starting an actor per cell.
+A REAL local Ray cluster (tests/ray_cluster.py), a REAL broker with ``--inventory=ray`` and REAL kernels.
+
+Revocation of a warm cell: tests/broker/inventory/test_ray.py::test_revoke_kills_the_ray_worker (the cells there
+are warm too); here, that the warm actor outlives it and lends the next cell a new worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import waiting
+from broker_process import BrokerProcess
+from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
+
+from jupyter_gpulease.client import BrokerClient, BrokerError
+
+pytestmark = [
+    pytest.mark.skipif(bool(ray_missing()), reason=ray_missing() or "ray installed"),
+    pytest.mark.timeout(600),
+]
+
+T = 60.0  # generous: on a busy 2-core machine an actor may take seconds to start
+ENDED = ("released", "expired", "revoked", "failed", "cancelled")
+
+wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
+
+#: a cell that says where it ran: its pid, its parent's (the actor's process), its start time, its GPUs
+WHERE = ("import os, time\n"
+         "_ticks = int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])\n"
+         "_btime = next(int(x.split()[1]) for x in open('/proc/stat') if x.startswith('btime'))\n"
+         "boot = _btime + _ticks / os.sysconf('SC_CLK_TCK')\n"
+         "print('where', os.getpid(), os.getppid(), os.environ['CUDA_VISIBLE_DEVICES'] or '-',"
+         " os.environ['GPULEASE_RAY_PLACEMENT_GROUP_ID'], os.environ['GPULEASE_NODE_IP'], flush=True)\n")
+
+
+@pytest.fixture(scope="module")
+def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(
+        tmp_path_factory.mktemp("ray-warm-broker"),
+        args=["--inventory=ray", f"--RayInventory.address={ray_cluster.address}", f"--RayInventory.node_ip={HEAD}",
+              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5"],
+        env=ray_cluster.env,
+    ).start(timeout=T)
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
+    c = broker.client(timeout=T)
+    yield c
+    for lease in c.leases():  # leave nothing held for the next test
+        if lease["state"] not in ENDED:
+            with contextlib.suppress(BrokerError):  # a cell's lease its kernel released meanwhile
+                c.release(lease["id"])
+    c.close()
+
+
+def _kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, root: Path) -> Any:
+    from kernels import Kernel
+
+    return Kernel(broker.url, str(root), {**ray_cluster.env, "GPULEASE_RAY_NODE_IP": HEAD})
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    k = _kernel(ray_cluster, broker, tmp_path_factory.mktemp("ray-warm-artifacts"))
+    try:
+        yield k
+    finally:
+        k.stop()
+
+
+def _where(r: Any) -> dict[str, Any]:
+    assert r.status == "ok", (r.outputs, r.reply)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("where "))
+    pid, ppid, visible, group, node = line.split()[1:6]
+    return {"pid": int(pid), "actor_pid": int(ppid), "visible": "" if visible == "-" else visible, "group": group,
+            "node": node}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _gpu_ids_of(group_hex: str, gpus: float) -> list[str]:
+    """The GPU IDs Ray assigned in a lease's group, asked as the kernel asks (a task in the group)."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from jupyter_gpulease.executors.ray import gpu_ids
+
+    pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group_hex)))
+    task = ray.remote(num_cpus=0)(gpu_ids).options(
+        num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+    return str(ray.get(task.remote(), timeout=T)).split(",")
+
+
+def test_ray_warm_second_cell_borrows_the_prestarted_worker(kernel: Any, client: BrokerClient) -> None:
+    first = _where(kernel.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+    submitted = time.time()
+    t0 = time.monotonic()
+    r = kernel.run(f"%%gpu 1\n{WHERE}print('boot', boot)\n", timeout=T)
+    took = time.monotonic() - t0
+    second = _where(r)
+    boot = float(next(x for x in r.stdout.splitlines() if x.startswith("boot ")).split()[1])
+    assert second["actor_pid"] == first["actor_pid"]  # the same warm actor on the node
+    assert second["pid"] != first["pid"]  # a fresh worker: single-use, never a used one
+    assert boot < submitted + 0.02  # started before the cell was asked for (clock ticks: 10 ms): pre-started
+    assert took < 20, took  # no actor start (a bound for a loaded 2-core machine; the figure is in BENCHMARKS.md)
+    assert not waiting.process_alive(first["pid"])
+
+
+def test_ray_warm_cell_on_other_gpus_sees_the_ids_ray_assigned_to_its_group(kernel: Any, client: BrokerClient) -> None:
+    second = _placed(client, client.request_lease(2, wait=T))  # the second node held: the cells go to the head
+    assert second["node"] == SECOND
+    before = _where(kernel.run(f"%%gpu 2\n{WHERE}", timeout=T * 2))
+    assert before["node"] == HEAD
+    head = _placed(client, client.request_lease(2, wait=T))  # two of the head's GPUs held: the cell gets the others
+    assert head["node"] == HEAD
+    held = _gpu_ids_of(head["placement"]["placement_group_id"], 2)
+    cell = _where(kernel.run(f"%%gpu 2\n{WHERE}", timeout=T * 2))
+    assert cell["actor_pid"] == before["actor_pid"]  # the same warm actor, lent to a cell of another lease
+    assert cell["group"] != before["group"]
+    ids = cell["visible"].split(",")
+    assert len(ids) == 2 and not set(ids) & set(held), (ids, held)
+    client.release(head["id"])
+    client.release(second["id"])
+
+
+def _placed(client: BrokerClient, lease: dict[str, Any]) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        view = client.lease(lease["id"])
+        return view if (view.get("placement") or {}).get("state") == "ready" else None
+
+    return wait_for(ready, what=f"the group of {lease['id']} placed")
+
+
+def test_ray_warm_actor_outlives_a_revoked_cell_and_lends_the_next_a_new_worker(
+    kernel: Any, client: BrokerClient
+) -> None:
+    before = _where(kernel.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+    msg_id = kernel.submit(f"%%gpu 1\n{WHERE}time.sleep(600)\n")
+    partial = kernel.collect(msg_id, timeout=T * 2, until=lambda outs: any(
+        "where" in o["content"].get("text", "") for o in outs))
+    line = next(o["content"]["text"] for o in partial.outputs if "where" in o["content"].get("text", ""))
+    pid = int(line.split()[1])
+    lease = next(v for v in client.leases() if v["state"] not in ENDED)
+    t0 = time.monotonic()
+    client.revoke(lease["id"], "test")
+    wait_for(lambda: not waiting.process_alive(pid), what="the revoked cell's worker to be stopped")
+    assert time.monotonic() - t0 < 10
+    r = kernel.collect(msg_id, timeout=T)
+    assert r.status == "error", (r.outputs, r.reply)
+    after = _where(kernel.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+    if after["node"] == before["node"]:
+        assert after["actor_pid"] == before["actor_pid"]  # the warm actor lives on
+    assert after["pid"] not in (pid, before["pid"])
+
+
+def test_ray_warm_actor_dies_with_a_killed_kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess,
+                                                  client: BrokerClient, tmp_path: Path) -> None:
+    k = _kernel(ray_cluster, broker, tmp_path / "artifacts")
+    try:
+        where = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+        actor_pid = where["actor_pid"]
+        # the next worker, pre-started by the warm actor: its child
+        nxt = wait_for(lambda: [p for p in _children(actor_pid) if p != where["pid"]], what="the warm actor's next worker")
+        k.kill9()
+        wait_for(lambda: not waiting.process_alive(actor_pid), what="the killed kernel's warm actor to die")
+        wait_for(lambda: not any(waiting.process_alive(p) for p in nxt), what="its pre-started worker to exit")
+    finally:
+        k.stop()
