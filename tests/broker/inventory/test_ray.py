@@ -18,6 +18,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
+from remote_fixtures import kernel_of, ray_broker, ray_env
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
@@ -38,12 +39,7 @@ def cluster(ray_cluster: LocalRayCluster) -> LocalRayCluster:
 
 
 def start_broker(cluster: LocalRayCluster, workdir: Path, *args: str) -> BrokerProcess:
-    return BrokerProcess(
-        workdir,
-        args=["--inventory=ray", f"--RayInventory.address={cluster.address}", f"--RayInventory.node_ip={HEAD}",
-              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5", *args],
-        env=cluster.env,
-    ).start(timeout=T)
+    return ray_broker(cluster, workdir, *args, timeout=T)
 
 
 @pytest.fixture(scope="module")
@@ -201,15 +197,9 @@ def test_placement_that_ray_cannot_make_fails_at_its_deadline(cluster: LocalRayC
 # ------------------------------------------------------------------------------ %%gpu as a Ray actor
 @pytest.fixture(scope="module")
 def kernel(cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kernels import Kernel
-
     # the artifact root is the path both "nodes" share; the kernel joins the cluster as a driver on the head
-    k = Kernel(broker.url, str(tmp_path_factory.mktemp("ray-artifacts")),
-               {**cluster.env, "GPULEASE_RAY_NODE_IP": HEAD})
-    try:
+    with kernel_of(broker, tmp_path_factory.mktemp("ray-artifacts"), ray_env(cluster)) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def _hold_head(client: BrokerClient) -> dict[str, Any]:

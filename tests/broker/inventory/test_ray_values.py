@@ -8,11 +8,8 @@ or not (``executors.base.RootCheck``): values then travel through the shared roo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +18,9 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, private_mounts_missing, ray_missing, start_private_node
+from remote_fixtures import hidden_dir, kernel_of, ray_broker, ray_env, release_all, running
 
-from jupyter_gpulease.client import BrokerClient, BrokerError
+from jupyter_gpulease.client import BrokerClient
 
 pytestmark = [
     pytest.mark.skipif(bool(ray_missing()), reason=ray_missing() or "ray installed"),
@@ -39,11 +37,8 @@ ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 @pytest.fixture(scope="module")
 def hidden() -> Iterator[str]:
     """The directory above the kernel's artifact root: an empty tmpfs on the private node."""
-    d = tempfile.mkdtemp(prefix="gpulease-unshared-", dir="/tmp")
-    try:
+    with hidden_dir("gpulease-unshared-") as d:
         yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,38 +56,24 @@ def cluster(ray_cluster: LocalRayCluster, hidden: str) -> Iterator[LocalRayClust
 
 @pytest.fixture(scope="module")
 def broker(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(
-        tmp_path_factory.mktemp("ray-values-broker"),
-        args=["--inventory=ray", f"--RayInventory.address={cluster.address}", f"--RayInventory.node_ip={HEAD}",
-              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5", "--LeasePolicy.heartbeat_timeout=0"],  # held leases
-        env=cluster.env,
-    ).start(timeout=T)
-    try:
+    b = ray_broker(cluster, tmp_path_factory.mktemp("ray-values-broker"),
+                   "--LeasePolicy.heartbeat_timeout=0", timeout=T)  # (held leases)
+    with running(b):
         yield b
-    finally:
-        b.stop()
 
 
 @pytest.fixture
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():
-        if lease["state"] not in ENDED:
-            with contextlib.suppress(BrokerError):  # the kernel may release it first
-                c.release(lease["id"])
+    release_all(c)
     c.close()
 
 
 @pytest.fixture(scope="module")
 def kernel(cluster: LocalRayCluster, broker: BrokerProcess, hidden: str) -> Iterator[Any]:
-    from kernels import Kernel
-
-    k = Kernel(broker.url, os.path.join(hidden, "artifacts"), {**cluster.env, "GPULEASE_RAY_NODE_IP": HEAD})
-    try:
+    with kernel_of(broker, os.path.join(hidden, "artifacts"), ray_env(cluster)) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def _ready(c: BrokerClient, lease: dict[str, Any]) -> dict[str, Any]:

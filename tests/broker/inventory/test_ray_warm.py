@@ -8,7 +8,6 @@ are warm too); here, that the warm actor outlives it and lends the next cell a n
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -20,8 +19,9 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
+from remote_fixtures import kernel_of, ray_broker, ray_env, release_all, running
 
-from jupyter_gpulease.client import BrokerClient, BrokerError
+from jupyter_gpulease.client import BrokerClient
 
 pytestmark = [
     pytest.mark.skipif(bool(ray_missing()), reason=ray_missing() or "ray installed"),
@@ -44,42 +44,22 @@ WHERE = ("import os, time\n"
 
 @pytest.fixture(scope="module")
 def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(
-        tmp_path_factory.mktemp("ray-warm-broker"),
-        args=["--inventory=ray", f"--RayInventory.address={ray_cluster.address}", f"--RayInventory.node_ip={HEAD}",
-              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5"],
-        env=ray_cluster.env,
-    ).start(timeout=T)
-    try:
+    with running(ray_broker(ray_cluster, tmp_path_factory.mktemp("ray-warm-broker"), timeout=T)) as b:
         yield b
-    finally:
-        b.stop()
 
 
 @pytest.fixture
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():  # leave nothing held for the next test
-        if lease["state"] not in ENDED:
-            with contextlib.suppress(BrokerError):  # a cell's lease its kernel released meanwhile
-                c.release(lease["id"])
+    release_all(c)
     c.close()
-
-
-def _kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, root: Path) -> Any:
-    from kernels import Kernel
-
-    return Kernel(broker.url, str(root), {**ray_cluster.env, "GPULEASE_RAY_NODE_IP": HEAD})
 
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    k = _kernel(ray_cluster, broker, tmp_path_factory.mktemp("ray-warm-artifacts"))
-    try:
+    with kernel_of(broker, tmp_path_factory.mktemp("ray-warm-artifacts"), ray_env(ray_cluster)) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def _where(r: Any) -> dict[str, Any]:
@@ -182,8 +162,7 @@ def test_ray_warm_actor_outlives_a_revoked_cell_and_lends_the_next_a_new_worker(
 
 def test_ray_warm_actor_dies_with_a_killed_kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess,
                                                   client: BrokerClient, tmp_path: Path) -> None:
-    k = _kernel(ray_cluster, broker, tmp_path / "artifacts")
-    try:
+    with kernel_of(broker, tmp_path / "artifacts", ray_env(ray_cluster)) as k:
         where = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
         actor_pid = where["actor_pid"]
         # the next worker, pre-started by the warm actor: its child
@@ -191,5 +170,3 @@ def test_ray_warm_actor_dies_with_a_killed_kernel(ray_cluster: LocalRayCluster, 
         k.kill9()
         wait_for(lambda: not waiting.process_alive(actor_pid), what="the killed kernel's warm actor to die")
         wait_for(lambda: not any(waiting.process_alive(p) for p in nxt), what="its pre-started worker to exit")
-    finally:
-        k.stop()

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import waiting
 from broker_process import BrokerProcess
-from ray_cluster import HEAD, LocalRayCluster, ray_missing
+from ray_cluster import LocalRayCluster, ray_missing
+from remote_fixtures import kernel_of, ray_broker, ray_env, release_all, running
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -36,38 +37,23 @@ wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
 
 @pytest.fixture(scope="module")
 def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(
-        tmp_path_factory.mktemp("ray-cells-broker"),
-        args=["--inventory=ray", f"--RayInventory.address={ray_cluster.address}", f"--RayInventory.node_ip={HEAD}",
-              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5"],
-        env=ray_cluster.env,
-    ).start(timeout=T)
-    try:
+    with running(ray_broker(ray_cluster, tmp_path_factory.mktemp("ray-cells-broker"), timeout=T)) as b:
         yield b
-    finally:
-        b.stop()
 
 
 @pytest.fixture
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():  # leave nothing held for the next test
-        if lease["state"] not in ENDED:
-            c.release(lease["id"])
+    release_all(c)
     c.close()
 
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kernels import Kernel
-
-    k = Kernel(broker.url, str(tmp_path_factory.mktemp("ray-cells-artifacts")),
-               {**ray_cluster.env, "GPULEASE_RAY_NODE_IP": HEAD, "PYTHONUNBUFFERED": "1"})
-    try:
+    with kernel_of(broker, tmp_path_factory.mktemp("ray-cells-artifacts"),
+                   {**ray_env(ray_cluster), "PYTHONUNBUFFERED": "1"}) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def _held(client: BrokerClient) -> dict[str, Any]:

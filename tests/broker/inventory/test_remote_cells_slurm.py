@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +19,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import private_mounts_missing
+from remote_fixtures import hidden_dir, kernel_of, release_all, running, slurm_broker
 from slurm_cluster import LocalSlurmCluster, local_slurm_cluster, slurm_missing
 
 from jupyter_gpulease.client import BrokerClient
@@ -39,11 +38,8 @@ wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.005)
 
 @pytest.fixture(scope="module")
 def hidden() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="gpulease-not-on-n2-"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    with hidden_dir("gpulease-not-on-n2-") as d:
+        yield Path(d)
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +50,16 @@ def cluster(hidden: Path) -> Iterator[LocalSlurmCluster]:
 
 @pytest.fixture(scope="module")
 def broker(cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(
-        tmp_path_factory.mktemp("slurm-cells-broker"),
-        args=["--inventory=slurm", "--tick=0.2", "--LeaseBroker.sample_seconds=0.3",
-              "--SlurmInventory.placement_timeout=10"],
-        env=cluster.env,
-    ).start(timeout=T)
-    try:
+    with running(slurm_broker(cluster, tmp_path_factory.mktemp("slurm-cells-broker"), timeout=T),
+                 then=cluster.cancel_all) as b:
         yield b
-    finally:
-        b.stop()
-        cluster.cancel_all()
 
 
 @pytest.fixture
 def client(broker: BrokerProcess, cluster: LocalSlurmCluster) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():  # leave nothing held for the next test
-        if lease["state"] not in ENDED:
-            c.release(lease["id"])
+    release_all(c)
     wait_for(lambda: not cluster.jobs(), what="Slurm to have no allocation of the broker left")
     c.close()
 
@@ -85,13 +71,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def kernel(cluster: LocalSlurmCluster, broker: BrokerProcess, artifacts: Path) -> Iterator[Any]:
-    from kernels import Kernel
-
-    k = Kernel(broker.url, str(artifacts), cluster.env)
-    try:
+    with kernel_of(broker, artifacts, cluster.env) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def _held(client: BrokerClient) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import waiting
 from broker_process import BrokerProcess
+from remote_fixtures import kernel_of, slurm_broker
 from slurm_cluster import MAX_TIME_MINUTES, LocalSlurmCluster, local_slurm_cluster, slurm_missing
 from users import as_user, second_user  # noqa: F401  (fixture)
 
@@ -33,12 +34,7 @@ wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.02)
 
 
 def start_broker(cluster: LocalSlurmCluster, workdir: Path, *args: str) -> BrokerProcess:
-    return BrokerProcess(
-        workdir,
-        args=["--inventory=slurm", "--tick=0.2", "--LeaseBroker.sample_seconds=0.3",
-              "--SlurmInventory.placement_timeout=10", *args],
-        env=cluster.env,
-    ).start(timeout=T)
+    return slurm_broker(cluster, workdir, *args, timeout=T)
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +233,8 @@ def test_slurm_limits_are_respected_and_named_in_the_reason(client: BrokerClient
 # ------------------------------------------------------------------------------ %%gpu through srun
 @pytest.fixture(scope="module")
 def kernel(cluster: LocalSlurmCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kernels import Kernel
-
-    k = Kernel(broker.url, str(tmp_path_factory.mktemp("slurm-artifacts")), cluster.env)
-    try:
+    with kernel_of(broker, tmp_path_factory.mktemp("slurm-artifacts"), cluster.env) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def test_gpu_cell_runs_as_a_slurm_step_with_live_output(kernel: Any, client: BrokerClient,

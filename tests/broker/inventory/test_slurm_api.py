@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import waiting
 from broker_process import BrokerProcess
+from remote_fixtures import kernel_of, running, slurm_broker
 from slurm_cluster import LocalSlurmCluster, slurm_missing
 
 pytestmark = [pytest.mark.skipif(bool(slurm_missing()), reason=slurm_missing() or "slurm"), pytest.mark.timeout(300)]
@@ -24,28 +25,15 @@ wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.02)
 
 @pytest.fixture(scope="module")
 def broker(slurm_cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(
-        tmp_path_factory.mktemp("slurm-api-broker"),
-        args=["--inventory=slurm", "--tick=0.2", "--LeaseBroker.sample_seconds=0.3",
-              "--SlurmInventory.placement_timeout=10"],
-        env=slurm_cluster.env,
-    ).start(timeout=T)
-    try:
+    with running(slurm_broker(slurm_cluster, tmp_path_factory.mktemp("slurm-api-broker"), timeout=T),
+                 then=slurm_cluster.cancel_all) as b:
         yield b
-    finally:
-        b.stop()
-        slurm_cluster.cancel_all()
 
 
 @pytest.fixture(scope="module")
 def kernel(slurm_cluster: LocalSlurmCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kernels import Kernel
-
-    k = Kernel(broker.url, str(tmp_path_factory.mktemp("slurm-api-artifacts")), slurm_cluster.env)
-    try:
+    with kernel_of(broker, tmp_path_factory.mktemp("slurm-api-artifacts"), slurm_cluster.env) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def test_api_lease_on_gpu_and_map_run_as_slurm_steps(kernel: Any, broker: BrokerProcess,

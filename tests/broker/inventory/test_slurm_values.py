@@ -11,13 +11,10 @@ Needs root; skipped with the reason otherwise.
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import os
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +24,10 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import private_mounts_missing
+from remote_fixtures import hidden_dir, kernel_of, release_all, running, slurm_broker
 from slurm_cluster import LocalSlurmCluster, local_slurm_cluster, slurm_missing
 
-from jupyter_gpulease.client import BrokerClient, BrokerError
+from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.executors import slurm_bulk
 
 pytestmark = [
@@ -46,11 +44,8 @@ wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
 @pytest.fixture(scope="module")
 def hidden() -> Iterator[str]:
     """The directory above the kernel's artifact root: an empty tmpfs on n2."""
-    d = tempfile.mkdtemp(prefix="gpulease-unshared-", dir="/tmp")
-    try:
+    with hidden_dir("gpulease-unshared-") as d:
         yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,39 +56,23 @@ def cluster(hidden: str) -> Iterator[LocalSlurmCluster]:
 
 @pytest.fixture(scope="module")
 def broker(cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(
-        tmp_path_factory.mktemp("slurm-values-broker"),
-        args=["--inventory=slurm", "--tick=0.2", "--LeaseBroker.sample_seconds=0.3",
-              "--SlurmInventory.placement_timeout=10"],
-        env=cluster.env,
-    ).start(timeout=T)
-    try:
+    with running(slurm_broker(cluster, tmp_path_factory.mktemp("slurm-values-broker"), timeout=T),
+                 then=cluster.cancel_all) as b:
         yield b
-    finally:
-        b.stop()
-        cluster.cancel_all()
 
 
 @pytest.fixture
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():
-        if lease["state"] not in ENDED:
-            with contextlib.suppress(BrokerError):  # the kernel may release it first
-                c.release(lease["id"])
+    release_all(c)
     c.close()
 
 
 @pytest.fixture(scope="module")
 def kernel(cluster: LocalSlurmCluster, broker: BrokerProcess, hidden: str) -> Iterator[Any]:
-    from kernels import Kernel
-
-    k = Kernel(broker.url, os.path.join(hidden, "artifacts"), cluster.env)
-    try:
+    with kernel_of(broker, os.path.join(hidden, "artifacts"), cluster.env) as k:
         yield k
-    finally:
-        k.stop()
 
 
 def _large_values_both_ways(kernel: Any, gpus: int, node: str) -> None:

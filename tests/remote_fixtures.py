@@ -1,0 +1,87 @@
+"""What the tests of remote cells share (Ray and Slurm): a broker on the local cluster, a client that leaves nothing
+held, a kernel for the cluster, a directory that one node does not see."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from broker_process import BrokerProcess
+
+from jupyter_gpulease.client import BrokerClient, BrokerError
+
+ENDED = frozenset(("released", "expired", "revoked", "failed", "cancelled"))
+
+
+def ray_broker(cluster: Any, workdir: Path, *args: str, timeout: float) -> BrokerProcess:
+    """A broker whose inventory is the local Ray cluster (tests/ray_cluster.py)."""
+    from ray_cluster import HEAD
+
+    return BrokerProcess(
+        workdir,
+        args=["--inventory=ray", f"--RayInventory.address={cluster.address}", f"--RayInventory.node_ip={HEAD}",
+              "--tick=0.2", "--LeaseBroker.sample_seconds=0.5", *args],
+        env=cluster.env,
+    ).start(timeout=timeout)
+
+
+def slurm_broker(cluster: Any, workdir: Path, *args: str, timeout: float) -> BrokerProcess:
+    """A broker whose inventory is the local Slurm cluster (tests/slurm_cluster.py)."""
+    return BrokerProcess(
+        workdir,
+        args=["--inventory=slurm", "--tick=0.2", "--LeaseBroker.sample_seconds=0.3",
+              "--SlurmInventory.placement_timeout=10", *args],
+        env=cluster.env,
+    ).start(timeout=timeout)
+
+
+@contextlib.contextmanager
+def running(broker: BrokerProcess, then: Callable[[], object] | None = None) -> Iterator[BrokerProcess]:
+    """``broker`` until the block ends, then stopped (and ``then()``: e.g. cancel what Slurm still holds for it)."""
+    try:
+        yield broker
+    finally:
+        broker.stop()
+        if then is not None:
+            then()
+
+
+def release_all(client: BrokerClient) -> None:
+    """Leave nothing held for the next test (a lease that its kernel released meanwhile is no error)."""
+    for lease in client.leases():
+        if lease["state"] not in ENDED:
+            with contextlib.suppress(BrokerError):
+                client.release(lease["id"])
+
+
+def ray_env(cluster: Any) -> dict[str, str]:
+    """A kernel's environment for the local Ray cluster: its address, and the head as the kernel's node."""
+    from ray_cluster import HEAD
+
+    return {**cluster.env, "GPULEASE_RAY_NODE_IP": HEAD}
+
+
+@contextlib.contextmanager
+def kernel_of(broker: BrokerProcess, artifacts: str | Path, env: dict[str, str]) -> Iterator[Any]:
+    """A real kernel with the extension, on ``broker``, stopped when the block ends."""
+    from kernels import Kernel
+
+    k = Kernel(broker.url, str(artifacts), env)
+    try:
+        yield k
+    finally:
+        k.stop()
+
+
+@contextlib.contextmanager
+def hidden_dir(prefix: str) -> Iterator[str]:
+    """A directory under /tmp, removed when the block ends: a private node mounts an empty tmpfs over it."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
