@@ -54,4 +54,4 @@ def test_example_policy_loads_for_the_broker_and_the_replay(name: str) -> None:
         assert getattr(policy, key) == value, key
     if name == "interactive-first":
         assert policy.preempt_mode == "suspend" and policy.suspend_max_gpus == 1
-        assert 0 < policy.suspend_max_share < 1 and policy.suspend_min_runtime_seconds > 0
+        assert 0 <= policy.suspend_max_share < 1 and policy.suspend_min_runtime_seconds > 0

@@ -15,8 +15,9 @@
 #
 # The values are tuned on the contended 2x8 replay of the notebook trace (python -m benchmarks --only replay, figures
 # in BENCHMARKS.md; the designs tried are in its notes and in docs/images/replay-interactive-first-2x8.png): 1-GPU
-# p95 time to GPU 7 s instead of 840 s, the 8-GPU p95 and held-but-idle GPU-time no worse than the default policy,
-# every suspended cell completes, at suspend/resume costs measured on an H100 (0.46 s / 0.17 s per GiB).
+# p95 time to GPU 7 s instead of 840 s, the 8-GPU p95 (27.2 h against 29.3 h) and held-but-idle GPU-time no worse
+# than the default policy, every suspended cell completes, at suspend/resume costs measured on an H100 (0.46 s /
+# 0.17 s per GiB); over 16 jittered copies the 8-GPU median p95 is 2.5 % worse than the default's (25.8 h / 25.2 h).
 
 c = get_config()  # noqa: F821  (traitlets config files get `get_config` from the loader)
 
@@ -36,10 +37,10 @@ c.LeasePolicy.suspend_classes = []
 # cells wait).
 c.LeasePolicy.suspend_min_runtime_seconds = 600
 # The starvation bound: a lease is suspended by preemption at most once (0: not again once it spent any time
-# suspended). With 0.5 (half of its life) big leases were suspended again by 1-GPU cells: the 8-GPU requests' p95
-# wait rose above the default policy's (medians of 16 copies: 25.8 h against 25.2 h; 24.7 h with 0), and once
-# (with idle sessions not suspended and a one-day suspend_max_seconds) a suspended 8-GPU cell was ended before a whole
-# node came free for it to resume on.
+# suspended). With 0.5 (half of its life) leases are suspended again and again: on the trace the 8-GPU p95 is 29.6 h
+# (the default's 29.3 h) and the 4-GPU p95 17.2 h (5.6 h with 0), on the contended month the 8-GPU p95 is 797,620 s
+# (616,911 s with 0), though the 16 copies' 8-GPU median is 24.7 h; and once (with a one-day suspend_max_seconds) a
+# suspended 8-GPU cell was ended before a whole node came free for it to resume on.
 c.LeasePolicy.suspend_max_share = 0.0
 
 # A holder asked to suspend reports within a minute; else it is revoked as without suspension.
@@ -49,7 +50,7 @@ c.LeasePolicy.suspend_report_seconds = 60
 # 14.5 h; with one day, a cell suspended under the 0.5 share bound was ended before it could resume.
 c.LeasePolicy.suspend_max_seconds = 172800
 # Idle sessions are revoked and parked (pickled) as by default, not suspended: a resumed session goes before new
-# requests of its class, which on the trace made the 8-GPU requests' p95 wait half as long again (37.5 h against
-# 24.7 h) and the 1-GPU cells' p95 456 s (idle suspension stays useful where big requests are rare: set it to True
+# requests of its class, which on the trace made the 8-GPU requests' p95 wait half as long again (medians of 16
+# copies: 38.1 h against 25.8 h) and the 1-GPU cells' p95 660 s (idle suspension stays useful where big requests are rare: set it to True
 # there, and a session's next cell loses nothing).
 c.LeasePolicy.suspend_idle = False

@@ -34,6 +34,9 @@ class Planning:
         self.plan: dict[str, Reservation] = {}  # the latest pass's reservations: event passes keep what holds
         self.cursor = 0  # where in the queue the next full pass's window (full_pass_depth) starts
         self.held_back: dict[str, set[str]] = {}  # queued request -> the suspended leases it asked (``resuming``)
+        #: a request that held suspended leases back ended (cancelled, timed out): they queued for their GPUs, and the
+        #: end asks for a pass (``LeaseManager._ended``) as a release does, not the next tick
+        self.requeued = False
 
     def select(self, now: float) -> tuple[Iterable[Pending], bool]:
         """The requests the next pass looks at, in queue order, and whether it is a full pass.
@@ -91,6 +94,7 @@ class Planning:
                 victim = self.state.leases.get(vid)
                 if victim is not None:
                     self.resuming(victim)
+                    self.requeued |= lease.state.terminal and vid in q
         if lease.state == LeaseState.QUEUED:
             return
         wants = lease.state == LeaseState.SUSPENDED and s is not None and s.suspended and s.resume

@@ -10,9 +10,11 @@ Preemption by suspension (``LeasePolicy.preempt_mode = "suspend"``): a blocked r
 (``may_suspend``: its class, size and time limit) asks suspendable leases of no higher class to suspend instead
 (``LeaseOps.ask_suspend``, why "preempted", ``resume`` set: they queue for GPUs of their model as soon as they are
 suspended, before new requests of their class). A victim has held its GPUs ``suspend_min_runtime_seconds`` since
-its grant or resume, and has spent at most ``suspend_max_share`` of its life (since its request) suspended (the starvation bound);
-among them the fewest that free the GPUs it needs (on one node for a node-local gang), least suspended time first,
-then the youngest. No new asks while earlier asks for the same request are pending; a holder that does not report
+its grant or resume, and has spent at most ``suspend_max_share`` of its life (since its request) suspended (the
+starvation bound); among them the set that frees the GPUs it needs (on one node for a node-local gang) suspending the
+fewest GPUs (``fewest_gpus``), then the fewest leases, the least suspended time, the youngest. No new asks while
+earlier asks for the same request are pending (``asked``); asks whose request was granted elsewhere or left the
+queue are withdrawn (``suspend_withdrawn``) before their holders suspend for nothing; a holder that does not report
 in time is revoked as without suspension (the enforcer's fallback). Leases that cannot be suspended are taken only
 as ``preempt_grace_seconds`` says.
 """
@@ -24,7 +26,7 @@ import signal
 from typing import Any
 
 from ..core.gpufit import fits
-from ..core.lease import HOLDING, WITHDRAWN, Change, Lease, LeaseState, Preempting
+from ..core.lease import HOLDING, RESUMED, WITHDRAWN, Change, Lease, LeaseState, Preempting
 from ..core.reservation_windows import window_slots
 from ..host.procs import signal_group
 from ..policy.lease_policy import LeasePolicy
@@ -45,11 +47,17 @@ class Preemption:
         self.state, self.ops, self.policy = state, ops, policy
         self.enforcer, self.reservations = enforcer, reservations
         self.warned: set[str] = set()  # holding leases with a warning: an index of ``Lease.preempting``
+        #: holding leases asked to suspend for a request, not yet suspended -> that request: an index of
+        #: ``Lease.suspension`` (``by_lease``, ``since`` 0)
+        self.asked: dict[str, str] = {}
         self._running = False
 
     def restored(self, leases: list[Lease]) -> None:
         """The index of warned leases after a restart (their warnings are facts of the leases, stored with them)."""
         self.warned = {lease.id for lease in leases if lease.preempting is not None and lease.state in HOLDING}
+        self.asked = {lease.id: s.by_lease for lease in leases
+                      if (s := lease.suspension) is not None and not s.suspended and s.by_lease
+                      and lease.state in HOLDING}
 
     def choose_victims(self, p: Lease, marked: set[str], now: float) -> list[Lease] | None:
         """The fewest lower-class leases whose GPUs, with the idle ones, fit ``p``; None if none do."""
@@ -128,8 +136,9 @@ class Preemption:
 
     def choose_suspended(self, p: Lease, now: float) -> list[Lease] | None:
         """The leases to ask to suspend for ``p``: those that, with the idle GPUs of its type, free the GPUs it needs
-        (on one node for a node-local request), least suspended time first, then the youngest; among the nodes,
-        the one where the fewest must be asked (then the least suspended time). None: no such set."""
+        (on one node for a node-local request) suspending the fewest GPUs (``fewest_gpus``: a 1-GPU cell never
+        suspends an 8-GPU lease while a 1-GPU lease would do), then the fewest leases, then the least suspended
+        time, then the youngest; among the nodes, the one where the fewest GPUs are suspended. None: no such set."""
         ranks = self.policy.priority_classes
         rank = ranks.get(p.request.priority, 0)
         need = 1 if p.request.shared else p.request.min_gpus
@@ -147,22 +156,19 @@ class Preemption:
                 groups.setdefault("*" if p.request.locality == "any" else g.node, set()).add(g.id)
         cands = sorted((lease for lease in self.state.holding() if self.suspendable(lease, rank, now)),
                        key=lambda lease: (lease.suspended_seconds, -(lease.granted_at or 0.0), -lease.seq))
-        best: tuple[int, float] | None = None
+        suspended = [lease.suspended_seconds for lease in cands]
+        best: tuple[int, int, float, int] | None = None
         chosen: list[Lease] | None = None
         for members in groups.values():
-            free = len(members - held)
-            taken: list[Lease] = []
-            for lease in cands:
-                if free >= need:
-                    break
-                on = [d for d in lease.devices if d in members]
-                if on:
-                    taken.append(lease)
-                    free += len(on)
-            if free >= need and taken:
-                key = (len(taken), sum(lease.suspended_seconds for lease in taken))
+            short = need - len(members - held)
+            if short <= 0:
+                continue  # (enough idle GPUs here: the request waits for something else, e.g. its own queue place)
+            sizes = [(i, n) for i, lease in enumerate(cands) if (n := len([d for d in lease.devices if d in members]))]
+            found = fewest_gpus(sizes, short, suspended)
+            if found is not None:
+                key, picked = found
                 if best is None or key < best:
-                    best, chosen = key, taken
+                    best, chosen = key, [cands[i] for i in picked]
         return chosen
 
     def warn(self, victim: Lease, by: Lease, grace: float, now: float) -> None:
@@ -206,13 +212,12 @@ class Preemption:
             elif now >= w.deadline:
                 self.warned.discard(vid)
                 self.ops.end(victim, LeaseState.REVOKED, REASON)
+        self._withdraw(now)
         suspending = self.policy.preempt_mode == "suspend"
         if not grace_of and not suspending:
             return
         waiting_for = {w.by_lease for vid in self.warned if (v := leases.get(vid)) and (w := v.preempting)}
-        if suspending:  # the requests whose asks are pending (a holder reports within suspend_report_seconds)
-            waiting_for.update(s.by_lease for lease in self.state.holding()
-                               if (s := lease.suspension) is not None and not s.suspended and s.by_lease)
+        waiting_for.update(self.asked.values())  # asks pending (a holder reports within suspend_report_seconds)
         tried = 0
         for q in self.state.queue.head(self.policy.queue_depth):
             lid = q.lease_id
@@ -230,7 +235,8 @@ class Preemption:
                 for v in asked:
                     log.info("Lease %s of %s asked to suspend for lease %s of %s (preemption by suspension)",
                              v.id, v.user, p.id, p.user)
-                    self.ops.ask_suspend(v, REASON, by=p, resume=True)
+                    if self.ops.ask_suspend(v, REASON, by=p, resume=True):
+                        self.asked[v.id] = p.id
                 return  # one request at a time: the next pass sees the new state
             if p.request.priority not in grace_of:
                 continue
@@ -244,6 +250,31 @@ class Preemption:
                 self._run(now)
             return  # one request at a time: the next pass sees the new state
 
+    def asked_for(self, lease_id: str) -> bool:
+        """Whether leases were asked to suspend for this request and have not answered (its end asks for a pass:
+        the pass withdraws them before their holders suspend for nothing)."""
+        return lease_id in self.asked.values()
+
+    def _withdraw(self, now: float) -> None:
+        """Withdraw the asks to suspend whose request was granted elsewhere or left the queue (its holder then sees
+        no ``suspend`` in its view and its processes go on; the kernel treats a vanished ask as nothing to do); forget
+        those that were answered (suspended, or the lease ended or fell back)."""
+        leases = self.state.leases
+        for vid, by_id in list(self.asked.items()):
+            victim = leases.get(vid)
+            s = victim.suspension if victim is not None else None
+            if victim is None or s is None or s.suspended or s.by_lease != by_id or victim.state not in HOLDING:
+                del self.asked[vid]
+                continue
+            by = leases.get(by_id)
+            if by is None or by.state != LeaseState.QUEUED:
+                del self.asked[vid]
+                log.info("Lease %s of %s: ask to suspend withdrawn (lease %s no longer waits)", vid, victim.user,
+                         by_id)
+                # (an asked lease meets no idle check, and its holder may have stopped its processes for the
+                # ask: its idle time starts again now, not from before the ask)
+                self.ops.commit(victim, Change(suspension=RESUMED, event="suspend_withdrawn", last_activity=now))
+
     def view(self, lease: Lease, admin: bool) -> dict[str, Any]:
         """A lease's preemption for its view: the class that preempts it (and, for admins, by whom)."""
         w = lease.preempting
@@ -255,3 +286,34 @@ class Preemption:
         if w and admin:
             out.update(user=w.by_user, lease_id=w.by_lease)
         return {"preempted_by": out}
+
+
+def fewest_gpus(sizes: list[tuple[int, int]], short: int, suspended: list[float]) -> tuple[tuple[int, int, float, int],
+                                                                                          list[int]] | None:
+    """The set of candidates (``sizes``: (index in preference order, GPUs it frees here)) that frees at least
+    ``short`` GPUs suspending the fewest GPUs, then the fewest leases, then the least suspended time (``suspended``,
+    by index), then the earliest in preference order (the youngest); with its key (GPUs, leases, suspended time, sum
+    of indexes). None: all of them together free too few. A 0/1 knapsack over the totals below ``short`` plus the
+    largest size (a set at or above that total frees enough without one of its leases, so it is never the fewest):
+    O(candidates x (short + largest))."""
+    if sum(n for _, n in sizes) < short:
+        return None
+    top = short + max(n for _, n in sizes)
+    Key = tuple[int, float, int]
+    reach: list[tuple[Key, tuple[int, ...]] | None] = [None] * top
+    reach[0] = ((0, 0.0, 0), ())
+    for i, n in sizes:
+        for total in range(short - 1, -1, -1):  # (downwards: each candidate at most once)
+            at = reach[total]
+            if at is None:
+                continue
+            (count, susp, order), picked = at
+            new = ((count + 1, susp + suspended[i], order + i), (*picked, i))
+            old = reach[total + n]
+            if old is None or new[0] < old[0]:
+                reach[total + n] = new
+    for total in range(short, top):
+        at = reach[total]
+        if at is not None:
+            return (total, *at[0]), list(at[1])
+    return None

@@ -15,6 +15,7 @@ from lease_broker.core.pass_types import Pending
 from lease_broker.core.queue import Queue
 from lease_broker.inventory.simulated import SimulatedInventory
 from lease_broker.manager.manager import LeaseManager
+from lease_broker.manager.preemption import fewest_gpus
 from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.store.lease_store import Store
 
@@ -49,6 +50,10 @@ def long_lease(m, clock, who, gpus=1, priority="normal", after=10.0, **more):
 def report_suspended(m, lease) -> None:
     """Its holder reports its processes suspended (``POST .../suspended``), as a kernel does once asked."""
     m.suspended(lease.id, Identity(lease.user, uid=lease.uid), {"ok": True, "how": "stop"})
+
+
+def lease_events(m, change):
+    return [e for e in m.events.backlog if e["type"] == "lease" and e["change"] == change]
 
 
 def asked(m) -> set[str]:
@@ -182,15 +187,41 @@ def test_the_queue_puts_resuming_leases_before_new_requests_of_their_class():
     assert [p.lease_id for p in q] == ["high", "new"]
 
 
-def test_a_lease_suspended_for_a_request_that_left_resumes_on_its_own_gpu(make):
+def test_an_ask_is_withdrawn_when_its_request_leaves_and_a_late_report_suspends_by_the_holder(make):
     m, clock = make(gpus=1)
     a = long_lease(m, clock, ALICE)
     r, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
-    assert asked(m) == {a.id}
+    assert asked(m) == {a.id} and m.view(a)["suspend"]["why"] == "preempted"
     m.release(r.id, BOB)  # cancelled before a's holder reported
+    assert not asked(m) and a.state in HOLDING and m.view(a)["suspend"] is None
+    assert lease_events(m, "suspend_withdrawn")[-1]["lease"]["id"] == a.id
+    clock.advance(120)  # past the report deadline: nothing falls back, it was withdrawn
+    m.tick()
+    assert a.state in HOLDING
+    # a holder that was suspending already reports anyway: its own suspension, until it asks for its GPUs back
     left = tuple(a.devices)
     report_suspended(m, a)
+    assert a.state == LeaseState.SUSPENDED and a.suspension is not None and a.suspension.why == "user"
+    m.resume(a.id, ALICE)
     assert a.state == LeaseState.GRANTED and a.reason == "resumed" and tuple(a.devices) == left
+
+
+def test_an_ask_is_withdrawn_when_its_request_is_granted_elsewhere(make):
+    m, clock = make(gpus=2)
+    a = long_lease(m, clock, ALICE)
+    b = long_lease(m, clock, DAVE)
+    r, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {b.id}
+    m.release(a.id, ALICE)  # a GPU frees before b's holder reports: r gets it
+    assert r.state == LeaseState.GRANTED and tuple(r.devices) != tuple(b.devices)
+    assert not asked(m) and b.state in HOLDING and b.suspension is None
+    assert m.view(b)["suspend"] is None
+
+
+def test_a_lease_suspended_for_a_request_that_left_resumes_on_its_own_gpu(make):
+    m, clock = make(gpus=1)
+    a = long_lease(m, clock, ALICE)
+    left = tuple(a.devices)
     # a request that suspends it starts first
     clock.advance(1000)
     r2, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
@@ -218,7 +249,36 @@ def test_a_lease_held_back_for_a_request_resumes_when_that_request_is_cancelled(
     report_suspended(m, b)
     assert r.state == LeaseState.QUEUED and b.state == LeaseState.SUSPENDED
     assert b.id not in m.state.queue  # it does not take back the GPU it gave while the request waits for a's
-    m.release(r.id, BOB)
-    assert [p.lease_id for p in m.state.queue] == [b.id]  # it wants its GPU back: the next pass (a tick) grants it
-    m.tick()
+    m.release(r.id, BOB)  # the cancel asks for a pass at once (not the next tick): b takes its GPU back
     assert b.state == LeaseState.GRANTED and b.reason == "resumed"
+    assert a.suspension is None and a.state in HOLDING  # the ask that r made of a is withdrawn
+    assert not len(m.state.queue)
+
+
+def test_a_one_gpu_request_suspends_a_one_gpu_lease_not_a_younger_gang(make):
+    m, clock = make(gpus=10, suspend_max_gpus=2)
+    one = long_lease(m, clock, ALICE)
+    other = long_lease(m, clock, CAROL)
+    gang = long_lease(m, clock, BOB, gpus=8)  # the youngest
+    r, _ = m.request(DAVE, {"gpus": 1, "duration_seconds": 600})
+    assert asked(m) == {other.id}  # the fewest GPUs suspended, then the youngest of the 1-GPU leases
+    report_suspended(m, other)
+    assert r.state == LeaseState.GRANTED
+    assert gang.state in HOLDING and one.state in HOLDING
+    clock.advance(5)
+    m.release(r.id, DAVE)
+    assert other.state == LeaseState.GRANTED  # (it resumed on its GPU)
+    clock.advance(10)
+    r2, _ = m.request(DAVE, {"gpus": 2, "duration_seconds": 600})
+    assert r2.state == LeaseState.QUEUED
+    assert asked(m) == {one.id, other.id}  # two 1-GPU leases, not the gang's eight GPUs
+
+
+def test_fewest_gpus_picks_the_smallest_set_that_frees_enough():
+    # (index in preference order, GPUs it frees)
+    assert fewest_gpus([(0, 8), (1, 1), (2, 1)], 2, [0.0, 0.0, 0.0]) == ((2, 2, 0.0, 3), [1, 2])
+    assert fewest_gpus([(0, 8), (1, 1)], 2, [0.0, 0.0]) == ((8, 1, 0.0, 0), [0])
+    assert fewest_gpus([(0, 2), (1, 1), (2, 1)], 2, [0.0, 0.0, 0.0])[1] == [0]  # the fewest leases for as many GPUs
+    assert fewest_gpus([(0, 1), (1, 1)], 1, [50.0, 0.0])[1] == [1]  # the least suspended
+    assert fewest_gpus([(0, 1), (1, 1)], 1, [0.0, 0.0])[1] == [0]  # then the first in preference order
+    assert fewest_gpus([(0, 1), (1, 1)], 3, [0.0, 0.0]) is None
