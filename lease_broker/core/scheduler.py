@@ -328,9 +328,13 @@ class _State:
                 self.budget["@" + g] -= count * p.duration
 
     def fit_for(self, p: Pending) -> Callable[[Slot], bool] | None:
-        """Which devices ``p`` may get (gpufit: its type, size, MIG, the user's per-type caps); None: any."""
+        """Which devices ``p`` may get (gpufit: its type, size, MIG, the user's per-type caps); None: any. A policy
+        with no cap at all (``SchedulerPolicy.capped`` False: no ``max_gpus``, per type or not) has no per-type cap to
+        ask of: each blocked request at the head asks here at each pass (``reserve``); on the 3,000-job version of the
+        month replay (benchmarks/replay_month.py) this was 0.64 s of 28 s profiled, 0.11 s without asking."""
         req = p.request
-        blocked = self.types.blocked(p.user, req.fraction if req.shared else req.min_gpus, self.ix.by_id.values)
+        blocked = self.types.blocked(p.user, req.fraction if req.shared else req.min_gpus, self.ix.by_id.values) \
+            if self.policy.capped else ()
         if not blocked and not constrained(req) and not (self.ix.has_mig and req.max_gpus > 1 and not req.shared):
             return None
         return fit_rule(req, self.policy.gpu_types, blocked)
@@ -484,14 +488,20 @@ class _State:
         windows, fit = self.windows.of, self.fit_for(p)
         best_start, best = INF, None
         if not windows and fit is None and p.request.locality != "any":  # one node, any of its GPUs: kept times
+            # (the kept times read inline, the GPUs listed once, for the node chosen: on the 3,000-job version of the
+            # month replay, 438,192 calls of _ready_on became 103,899, and reserve 3.8 -> 2.9 s of 28 s profiled)
+            node_ready, best_node = self._node_ready, None
             for node, members in self.nodes.items():
                 if len(members) >= k:
-                    soonest = self._ready_on(node)
-                    if soonest[k - 1][0] < best_start:
-                        best_start, best = soonest[k - 1][0], [members[i] for _, i in soonest[:k]]
-            if best is None:
+                    soonest = node_ready.get(node) or self._ready_on(node)
+                    t = soonest[k - 1][0]
+                    if t < best_start:
+                        best_start, best_node = t, node
+            if best_node is None:
                 return None
-            return Reservation(best_start, tuple(s.id for s in best), best_start + p.duration)
+            members = self.nodes[best_node]
+            return Reservation(best_start, tuple(members[i].id for _, i in node_ready[best_node][:k]),
+                               best_start + p.duration)
         now, busy_until, user = self.now, self.busy_until, p.user
         # slot id -> when it is ready for p, with another's advance reservation: before it if it fits, else after it
         ready: dict[str, float] = {}

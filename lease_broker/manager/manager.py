@@ -349,8 +349,18 @@ class LeaseManager:
     def commit(self, lease: Lease, change: Change) -> None:
         """Apply one change of a lease: check the transition, write the store (the iteration's group commit;
         the lease is left as it was if that fails), update the GPU table and wake waiters; the event goes out
-        once the write is stored."""
+        once the write is stored.
+
+        A soft change (activity, heartbeat, usage, warnings: nothing stored, no event, a live lease that is not
+        suspended) only changes the lease in memory: applied at once, without the checks below that could not apply
+        to it. Activity reports are most commits (1.03 M of them on the overloaded month replay,
+        benchmarks/replay_month.py): one cost 9.0 us of CPU, 4.4 us with this and ``Change``'s constructor
+        (``core/lease.py: _change_init``), on that replay's state after 6,000 events of its 3,000-job version."""
         now = self.clock.now()
+        if change.state is None and not (change.stored or change.attach is not None or change.event
+                                         or lease.state == LeaseState.SUSPENDED or lease.state.terminal):
+            change.apply(lease, now)  # (``soft``: what follows changes nothing for it)
+            return
         new = lease.id not in self.state.leases and change.state == LeaseState.QUEUED and not lease.ended_at
         before = None if new else lease.state
         if before is not None and change.state is not None:
@@ -454,7 +464,8 @@ class LeaseManager:
         self.estimates.ended(lease)  # how long it held its GPUs: the history of the start estimates
         self.holders.ended(lease)  # its holder's watch closes with the holder's last lease
         self.inventory.on_end(lease)
-        if held and self.passes == passes:
+        requeued, self.planning.requeued = self.planning.requeued, False  # suspended leases it held back queued
+        if (held or requeued or self.preemption.asked_for(lease.id)) and self.passes == passes:
             self.schedule_soon()
 
     def mark_idle(self, lease: Lease) -> None:
@@ -499,7 +510,7 @@ class LeaseManager:
         self.passes += 1
         now = self.clock.now()
         growable = self.planning.growable(now)
-        if not len(self.state.queue) and not self.preemption.warned and not growable:
+        if not len(self.state.queue) and not self.preemption.warned and not self.preemption.asked and not growable:
             self.planning.select(now)  # keeps the full passes' rhythm
             self.state.planned, self.state.waiting = {}, {}
             return 0
