@@ -124,7 +124,9 @@ def test_interrupt_stops_the_worker_and_releases(kernel: Kernel, client) -> None
     kernel.km.interrupt_kernel()
     r = kernel.collect(msg_id)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
-    assert "time.sleep(0.05)" in "\n".join(r.error["traceback"])  # the worker's own traceback
+    tb = "\n".join(r.error["traceback"])
+    # the worker's own traceback, in the cell's loop (the sleep, or a line beside it on a loaded host)
+    assert '<gpu In[' in tb and "jupyter_gpulease" not in tb, tb
     wait_for(lambda: not process_alive(pid), 5, "worker exit")
     wait_for(lambda: client.lease(lease_id)["state"] == "released", 5, "release")
     assert kernel.run("print('still usable')").stdout == "still usable\n"
