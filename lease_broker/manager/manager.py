@@ -304,13 +304,10 @@ class LeaseManager:
         now = self.clock.now()
         gpu = self.gpu_by_id.get(lease.devices[0]) if lease.devices else None
         remaining = max(0.0, lease.expires_at - now) if lease.expires_at is not None else lease.duration_seconds
-        why = ask.why if ask is not None else "user"
-        state = Suspension(why=why, asked_at=ask.asked_at if ask is not None else now,
-                           deadline=ask.deadline if ask is not None else 0.0, since=now,
-                           by_lease=ask.by_lease if ask is not None else "",
-                           by_user=ask.by_user if ask is not None else "", devices=tuple(lease.devices),
-                           model=gpu.name if gpu is not None else "", resume=ask.resume if ask is not None else False,
-                           remaining=remaining, how=how)
+        state = dataclasses.replace(ask or Suspension(why="user", asked_at=now),  # no ask: of its own accord
+                                    since=now, devices=tuple(lease.devices), model=gpu.name if gpu is not None else "",
+                                    remaining=remaining, how=how)
+        why = state.why
         self.commit(lease, Change(state=LeaseState.SUSPENDED, reason=why, devices=(), suspension=state,
                                   suspensions=lease.suspensions + 1))
         log.info("Lease %s of %s suspended (%s, %s, %d bytes in host memory): %d GPU(s) free", lease.id, lease.user,
