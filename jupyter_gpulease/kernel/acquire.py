@@ -121,6 +121,7 @@ class Holdings:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: dict[str, tuple[BrokerClient, str]] = {}  # lease id -> (its client, what holds it)
+        self._giving_back: set[str] = set()  # held leases whose release waits only for their worker's exit
 
     def add(self, client: BrokerClient, lease_id: str, what: str) -> None:
         with self._lock:
@@ -129,6 +130,18 @@ class Holdings:
     def discard(self, lease_id: str) -> None:
         with self._lock:
             self._leases.pop(lease_id, None)
+            self._giving_back.discard(lease_id)
+
+    def giving_back(self, lease_id: str) -> None:
+        """Note that a held lease is released the moment its worker is gone (a finished cell's, ``LeaseRun._reap``):
+        a request made meanwhile may be waiting for exactly those GPUs."""
+        with self._lock:
+            if lease_id in self._leases:
+                self._giving_back.add(lease_id)
+
+    def any_giving_back(self) -> bool:
+        with self._lock:
+            return bool(self._giving_back)
 
     def held(self) -> dict[str, str]:
         """lease id -> what holds it (``--bg job1``, ``--session m``, ``Python API``, a cell's name)."""
@@ -159,10 +172,14 @@ def holder_text(request: dict[str, Any]) -> str:
     return str(labels.get("cell") or labels.get("source") or "cell")
 
 
-#: seconds of the first poll of a request that queued while this kernel holds another lease (no wait display yet):
-#: the GPU it waits for may be the one its own last cell gives back as that cell's worker exits (Run All on a full
-#: cluster)
+#: seconds of each poll while no wait display is shown yet: the first one of a resume, and those of a request that
+#: queued while this kernel gives a lease back (see ``QUIET_FOR``)
 FIRST_POLL = 0.2
+
+#: the longest a queued request shows no wait display while this kernel is still giving a lease back: the GPU it
+#: waits for may be the one its own last cell releases as that cell's worker exits (Run All on a full cluster), which
+#: takes a few milliseconds on an idle host and has taken over 0.2 s on a loaded one
+QUIET_FOR = 5.0
 
 
 def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | None, label: str) -> LeaseView:
@@ -181,7 +198,6 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
     start = time.monotonic()
     display: WaitDisplay | None = None
     granted = False
-    hurried = len(HOLDINGS.held()) > 1  # this kernel's last cell may be giving its GPU back right now
     try:
         try:
             while lease.phase == "queued":
@@ -191,8 +207,8 @@ def acquire(client: BrokerClient, request: dict[str, Any], max_wait: float | Non
                         f"No GPU within --wait {duration_text(max_wait)} (position {lease.position} in the "
                         "queue); the request was cancelled. Try again later, ask for fewer GPUs, or wait longer."
                     )
-                if hurried:  # the GPU may come the moment that release is stored: no wait display before
-                    hurried = False
+                if display is None and waited < QUIET_FOR and HOLDINGS.any_giving_back():
+                    # the GPU may come the moment this kernel's own release is stored: no wait display before
                     poll = FIRST_POLL if max_wait is None else min(FIRST_POLL, max_wait - waited)
                     lease = client.lease(lease.id, wait=poll)
                     continue

@@ -329,6 +329,7 @@ class LeaseRun:
 
         if then_end:
             self._auto_end = True
+            HOLDINGS.giving_back(self.lease.id)
         self._reapers.append(reaped)
         later(reap)  # on a thread that is already running: starting one would hold up the cell's answer
 

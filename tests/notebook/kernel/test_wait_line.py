@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from jupyter_gpulease.client import LeaseView
 from jupyter_gpulease.kernel.acquire import WaitDisplay
 from jupyter_gpulease.tables import lease_text, queue_table
@@ -61,7 +63,7 @@ def test_show_says_when_a_queued_lease_will_likely_start():
 
 def test_a_request_that_queues_behind_this_kernels_last_lease_shows_no_wait_line_at_first(broker_factory, capsys):
     """The next cell's request may queue for the GPU its own last cell gives back as that cell's worker exits (Run All
-    on a full cluster): while this kernel still holds that lease, the first poll shows no wait line."""
+    on a full cluster): while this kernel is still giving that lease back, no wait line is shown."""
     import threading
 
     from waiting import wait_for
@@ -72,6 +74,7 @@ def test_a_request_that_queues_behind_this_kernels_last_lease_shows_no_wait_line
     c = broker.client()
     last = c.request_lease(1, heartbeat=False)
     HOLDINGS.add(c, last["id"], "cell")
+    HOLDINGS.giving_back(last["id"])  # as LeaseRun._reap notes before the last cell's worker is gone
 
     def reaper() -> None:  # as LeaseRun._reap does once the last cell's worker is gone
         wait_for(lambda: c.queue(), 10, "the next request queued")
@@ -101,3 +104,24 @@ def test_back_to_back_cells_on_one_gpu_each_get_it(broker_factory, tmp_path) -> 
             assert not [o for o in r.outputs if o["msg_type"] == "display_data"], r.outputs  # no wait widget
     finally:
         k.stop()
+
+
+def test_a_request_waiting_for_another_holders_gpu_shows_the_wait_line_after_the_quiet_spell(broker_factory, capsys,
+                                                                                            monkeypatch):
+    """This kernel giving a lease back keeps the wait line away only ``QUIET_FOR``: a GPU that another holder keeps
+    still shows where the request stands."""
+    from jupyter_gpulease.kernel import acquire as acquiring
+
+    broker = broker_factory(gpus=1, args=["--tick=0.1"])
+    c = broker.client()
+    c.request_lease(1, heartbeat=False)  # the other holder (a --bg cell, another notebook): keeps the one GPU
+    mine = c.request_lease(1, heartbeat=False)  # queued behind it: never released here, only noted as given back
+    acquiring.HOLDINGS.add(c, mine["id"], "cell")
+    acquiring.HOLDINGS.giving_back(mine["id"])
+    monkeypatch.setattr(acquiring, "QUIET_FOR", 0.3)
+    try:
+        with pytest.raises(acquiring.LeaseUnavailable):
+            acquiring.acquire(c, {"gpus": 1, "heartbeat": False}, 1.5, "%%gpu 1")
+    finally:
+        acquiring.HOLDINGS.discard(mine["id"])
+    assert "queued, position" in capsys.readouterr().err
