@@ -3,6 +3,7 @@ held, a kernel for the cluster, a directory that one node does not see."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import shutil
 import tempfile
@@ -85,3 +86,23 @@ def hidden_dir(prefix: str) -> Iterator[str]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# Files of values the kernel makes (O_CREAT opens of ``*.buf``, as Python's own audit hook sees them): a node
+# without the shared root must cost none (its values go packed into the message itself, ``dumps(inline=True)``).
+_WATCH_FILES = (
+    "import os as _os, sys as _sys\n"
+    "if '_gpulease_made' not in globals():\n"
+    "    _gpulease_made = []\n"
+    "    _sys.addaudithook(lambda ev, a, made=_gpulease_made: made.append(str(a[0])) if ev == 'open' and "
+    "isinstance(a[2], int) and a[2] & _os.O_CREAT and str(a[0]).endswith('.buf') else None)\n"
+    "_gpulease_made.clear()\n"
+)
+
+
+def buffer_files_made(kernel: Any, cell: Callable[[], object]) -> list[str]:
+    """The buffer files of values the kernel created on its host while ``cell()`` ran."""
+    assert kernel.run(_WATCH_FILES).status == "ok"
+    cell()
+    r = kernel.run("list(_gpulease_made)")
+    return list(ast.literal_eval(r.result))

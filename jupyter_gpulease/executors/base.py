@@ -112,6 +112,11 @@ class Worker(abc.ABC):
         written there at once, never copied there later."""
         return None
 
+    def values_inline(self, env: dict[str, str], mode: int = 0o700) -> bool:
+        """Whether a job's large input values travel in its message itself (a node that does not see the kernel's
+        artifact root): packed straight into it (``transfer.dumps(inline=True)``), never into a file here."""
+        return False
+
 
 class RelayedWorker(Worker):
     """``poll()`` for workers whose output and results reach the kernel through a relay that reads the
@@ -131,6 +136,9 @@ class RelayedWorker(Worker):
         if not self._root.sees(artifacts, mode):
             return None  # a node without the shared root: the values travel in the messages (values_in_messages)
         return oob_dir(artifacts, mode)
+
+    def values_inline(self, env: dict[str, str], mode: int = 0o700) -> bool:
+        return not self._root.sees(env.get("GPULEASE_ARTIFACTS"), mode)
 
     @abc.abstractmethod
     def _ended(self) -> bool: ...
@@ -263,11 +271,14 @@ def root_unseen(node: str, artifacts: str) -> str:
 
 def values_in_messages(job: dict[str, Any], unseen: str = "") -> dict[str, Any]:
     """The job for a worker on a node that does not see the kernel's files (the marker check failed): its values
-    travel in the messages themselves (``transfer.to_inline``), both ways (``inline``), through the executor's own
-    channel (Ray's object store, the Slurm relay's stdio); ``unseen``: the line that says so (``root_unseen``),
-    which the worker prints should the cell leave files in ``$GPULEASE_ARTIFACTS`` there."""
-    return {**job, "inputs": transfer.to_inline(job.get("inputs")), "inline": True, "oob_dir": None,
-            "root_unseen": unseen}
+    travel in the messages themselves, both ways (``inline``), through the executor's own channel (Ray's object
+    store, the Slurm relay's direct channel or stdio): the kernel packed its inputs straight into the message
+    (``Worker.values_inline``), so no file of them was made here; ``unseen``: the line that says so
+    (``root_unseen``), which the worker prints should the cell leave files in ``$GPULEASE_ARTIFACTS`` there."""
+    if (job.get("inputs") or {}).get("file"):  # a caller that did not ask values_inline: the node cannot read it
+        raise transfer.TransferError(f"{unseen or 'the worker does not see the kernel files'}: the cell's inputs "
+                                     "were written to a file here, not packed into the message")
+    return {**job, "inline": True, "oob_dir": None, "root_unseen": unseen}
 
 
 class RootCheck:

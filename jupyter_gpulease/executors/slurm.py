@@ -20,7 +20,11 @@ Values over 1 MiB travel out of band as files in ``<lease artifact dir>/.oob`` w
 kernel's artifact root (the marker check, ``base.RootCheck``); elsewhere in the messages themselves, through
 a direct TCP connection between the kernel and the relay (``slurm_bulk``: a per-worker key sent on srun's stdin,
 every frame authenticated), each frame announced by a line on srun's stdio so that the order holds; where the
-node cannot connect to the kernel, through srun's stdio itself (base64 lines, about 10 MB/s).
+node cannot connect to the kernel, through srun's stdio itself (base64 lines, about 10 MB/s). Either way the job
+goes out in pieces as it is pickled, its inputs from the values' own memory (``transfer.write_framed``).
+
+A step lives in the lease's allocation, which ends with the lease: a lease that runs several calls (the Python
+API's) gets its next call's step started while the current one runs (``SlurmExecutor.keep_warm``).
 
 This module is the kernel side; the relay's protocol and process are in ``slurm_relay``.
 """
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from traitlets import Bool, TraitError, Unicode, validate
@@ -247,7 +252,7 @@ class SlurmWorker(RelayedWorker):
             return self._worker_rc
         return self.proc.returncode if self._done else None
 
-    def _send(self, tag: int, data: bytes) -> None:
+    def _send(self, tag: int, data: bytes | memoryview) -> None:
         """One line to the relay through srun's stdin, never blocking the kernel for good: a relay that takes none
         of it for ``call_timeout`` (stopped, its pipes full) is taken for hung (BrokenPipeError)."""
         if self._how:
@@ -276,20 +281,21 @@ class SlurmWorker(RelayedWorker):
         job = self._root.job(job)
         if job.get("inline") and self._direct:  # the node does not see the shared root: values both ways here
             self._open_bulk()
-        head, body = transfer.framed(job)
+        # the job in pieces as it is pickled, never joined: its inputs go out from the values' own memory
+        size = transfer.framed_size(job)
         try:
-            if self._bulk is not None and len(body) >= BULK_MIN:  # frames of at most MAX_FRAME, each announced
-                view = memoryview(body)
-                for piece in [head] + [view[off : off + slurm_bulk.MAX_FRAME]
-                                       for off in range(0, len(view), slurm_bulk.MAX_FRAME)]:
+            if self._bulk is not None and size >= BULK_MIN:  # frames of at most MAX_FRAME, each announced
+                bulk = self._bulk
+
+                def frame(piece: memoryview) -> None:
                     self._send(BULK, b"")
-                    self._bulk.send(piece, self.call_timeout)
-                SlurmWorker.moved["direct"] += len(head) + len(body)
+                    bulk.send(piece, self.call_timeout)
+
+                SlurmWorker.moved["direct"] += transfer.write_framed(job, frame, slurm_bulk.MAX_FRAME, size)
                 return
-            view = memoryview(head + body)
-            for off in range(0, len(view), JOB_CHUNK):  # lines of at most JOB_CHUNK, each to the worker as it comes
-                self._send(JOB, bytes(view[off : off + JOB_CHUNK]))
-            SlurmWorker.moved["stdio"] += len(view)
+            # lines of at most JOB_CHUNK, each to the worker as it comes
+            SlurmWorker.moved["stdio"] += transfer.write_framed(job, lambda piece: self._send(JOB, piece), JOB_CHUNK,
+                                                                size)
         except TimeoutError:
             self._hang("take the cell's values on the direct channel")
         except (BrokenPipeError, ValueError, OSError):
@@ -488,6 +494,22 @@ class SlurmExecutor(PlacedExecutor):
         "in a firewall between the GPU nodes and the notebook hosts); '': any free ephemeral port.",
     )
 
+    keep_warm = Bool(
+        True,
+        config=True,
+        help="Whether a lease that runs several calls one after another (the Python API's lease().run, map) has "
+        "the step of its next call started while the current one runs, so that the next call finds its relay and "
+        "a fresh worker running instead of waiting for srun; from the lease's second call on, one step at most, "
+        "ended with the lease (its allocation's scancel), e.g. True. A %%gpu cell's lease ends with the cell, so "
+        "nothing is kept for it (--session keeps its worker anyway).",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._lock = threading.Lock()
+        self._spares: dict[tuple[str, str | None, tuple[str, ...]], _Spare] = {}  # the next call's step, started
+        self._used: dict[str, None] = {}  # leases this executor started a worker for (the latest few)
+
     @validate("bulk_ports")
     def _check_ports(self, proposal: Any) -> str:
         value = str(proposal["value"]).strip()
@@ -497,10 +519,71 @@ class SlurmExecutor(PlacedExecutor):
 
     def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
                session: bool) -> SlurmWorker:
+        """A worker in a step of the lease's allocation: the one started for this call already (``keep_warm``),
+        else a new step; a lease's second call on also starts the step of its next call."""
+        key = (lease.id, python, tuple(preload or ()))
+        with self._lock:
+            self._sweep()
+            spare = None if session else self._spares.pop(key, None)
+            again = lease.id in self._used
+            self._used[lease.id] = None
+            while len(self._used) > 64:
+                del self._used[next(iter(self._used))]
+        worker = spare.take() if spare is not None else None
+        if worker is None:
+            worker = self._new(lease, python, preload, session)
+        if again and not session and self.keep_warm:
+            with self._lock:
+                if key not in self._spares:
+                    self._spares[key] = _Spare(lambda: self._new(lease, python, preload, False))
+        return worker
+
+    def _new(self, lease: LeaseView, python: str | None, preload: list[str] | None, session: bool) -> SlurmWorker:
         assert lease.placement is not None
         return SlurmWorker(lease.placement, python, preload, session=session, start_timeout=self.start_timeout,
                            call_timeout=self.call_timeout, direct=self.direct_channel, bulk_address=self.bulk_address,
                            bulk_ports=_port_range(self.bulk_ports))
+
+    def _sweep(self) -> None:
+        """Let go of the started steps whose lease ended (its scancel ended them) or that failed to start."""
+        for key, spare in list(self._spares.items()):
+            if spare.gone():
+                del self._spares[key]
+                spare.close()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            spares, self._spares = list(self._spares.values()), {}
+        for spare in spares:
+            spare.close()
+
+
+class _Spare:
+    """A worker of a lease's next call, being started in the background (``SlurmExecutor.keep_warm``)."""
+
+    def __init__(self, start: Callable[[], SlurmWorker]) -> None:
+        self._worker: SlurmWorker | None = None
+        self._thread = threading.Thread(target=self._start, args=(start,), daemon=True, name="gpulease-srun-warm")
+        self._thread.start()
+
+    def _start(self, start: Callable[[], SlurmWorker]) -> None:
+        with contextlib.suppress(Exception):  # (the lease ended meanwhile: its next call starts a step of its own)
+            self._worker = start()
+
+    def take(self) -> SlurmWorker | None:
+        """The started worker (waiting for its start to end), or None where it did not start or has ended."""
+        self._thread.join()
+        if self._worker is not None and not self._worker.alive():
+            self.close()
+        return self._worker
+
+    def gone(self) -> bool:
+        return not self._thread.is_alive() and (self._worker is None or not self._worker.alive())
+
+    def close(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
 
 
 def _port_range(text: str) -> tuple[int, int] | None:

@@ -39,7 +39,7 @@ OPEN, OPENED, BULK = 5, 6, 7
 BULK_MIN = 1 << 16  # bytes: less goes in the line itself
 
 
-def encode_line(tag: int, data: bytes) -> bytes:
+def encode_line(tag: int, data: bytes | memoryview) -> bytes:
     return b"%d %s\n" % (tag, base64.b64encode(data))
 
 

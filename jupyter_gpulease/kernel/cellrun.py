@@ -85,10 +85,12 @@ def lease_env(lease: LeaseView, artifacts: ArtifactDir) -> dict[str, str]:
     return env
 
 
-def job_message(job: Job, env: dict[str, str], oob_dir: str | None, vm: bool = False) -> dict[str, Any]:
+def job_message(job: Job, env: dict[str, str], oob_dir: str | None, vm: bool = False,
+                inline: bool = False) -> dict[str, Any]:
     """The job for a worker. ``vm``: it is this kernel's own child, big buffers are copied straight
     between the two processes (``transfer.push``/``pull``) instead of through files. ``oob_dir``: where buffer
-    files go (None: this user's ``transfer.shm_dir()``, made only if a file is needed)."""
+    files go (None: this user's ``transfer.shm_dir()``, made only if a file is needed). ``inline``: the worker
+    cannot read this host's files (``Worker.values_inline``): big buffers in the message itself, no file."""
     msg: dict[str, Any] = {
         "type": "run",
         "kind": job.kind,
@@ -102,7 +104,7 @@ def job_message(job: Job, env: dict[str, str], oob_dir: str | None, vm: bool = F
         "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
         "oob_dir": oob_dir,
         "vm": vm,
-        "inputs": transfer.dumps_named(job.inputs, oob_dir, vm) if job.inputs else None,
+        "inputs": transfer.dumps_named(job.inputs, oob_dir, vm, inline) if job.inputs else None,
     }
     return msg
 
@@ -236,7 +238,8 @@ class LeaseRun:
             try:
                 job_env = {**self.env(), **(env or {})}
                 oob_dir = worker.values_dir(job_env, self.artifacts.mode)  # a remote worker's: written there at once
-                msg = job_message(job, job_env, oob_dir, worker.local and vmcopy.usable())
+                msg = job_message(job, job_env, oob_dir, worker.local and vmcopy.usable(),
+                                  worker.values_inline(job_env, self.artifacts.mode))
             except transfer.TransferError as e:  # an unpicklable input: one line naming it, not our frames
                 self.status = "error"
                 raise self._failed(cell_error("TransferError", str(e), f"TransferError: {e}"), outcome, t0) from None

@@ -29,6 +29,7 @@ from . import vmcopy
 
 TYPE_CHECKING = False  # typing only for the type checker: this module is on every cold start
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import IO, Any
 
     from .fastpath import Prefaulted
@@ -184,8 +185,9 @@ def dumps(value: Any, directory: str | None = None, vm: bool = False, keep_devic
     says where, and ``"_hold"`` (to pop before sending) keeps them alive until they are copied. ``keep_devices``:
     tensors on a GPU come back onto their device when loaded (see ``on_device``), not on the CPU. ``path``: the
     buffer file's name (default: a new random one in ``directory``). ``inline``: no file either, the buffers travel
-    in the message itself (``"inline"``: the channel of a worker on a node without the shared artifact root).
-    """
+    in the message itself (``"inline"``: the channel of a worker on a node without the shared artifact root), as
+    ``PickleBuffer``s over the values' own memory: not copied here, only by the channel's send (``write_framed``,
+    Ray's object store)."""
     big: list[pickle.PickleBuffer] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
@@ -249,22 +251,6 @@ def loads(packed: dict[str, Any], buffers: list[Any] | None = None, keep_file: b
     return pickle.loads(packed["data"], buffers=buffers or [])
 
 
-def to_inline(packed: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``packed`` with its buffer file's contents in the message (``"inline"``) and the file removed: for a worker
-    that cannot read the file (a node without the shared artifact root)."""
-    if not packed or not packed.get("file"):
-        return packed
-    try:
-        with os.fdopen(open_private(packed["file"]), "rb") as fh:
-            data = bytearray(os.fstat(fh.fileno()).st_size)  # writable: the values come out writable, as from a file
-            fh.readinto(data)
-    finally:
-        discard(packed)
-    view = memoryview(data)
-    return {**packed, "file": None, "spans": [],
-            "inline": [pickle.PickleBuffer(view[off : off + n]) for off, n in packed["spans"]]}
-
-
 def discard(packed: dict[str, Any] | None) -> None:
     if packed and packed.get("file"):
         try:
@@ -312,10 +298,11 @@ def receive(packed: dict[str, Any], ask: Any, into: Prefaulted | None = None) ->
     return loads({**packed, "file": reply["file"], "spans": reply["spans"]})
 
 
-def dumps_named(values: dict[str, Any], directory: str | None = None, vm: bool = False) -> dict[str, Any]:
-    """dumps() a dict of named values; on failure, find and name the culprit."""
+def dumps_named(values: dict[str, Any], directory: str | None = None, vm: bool = False,
+                inline: bool = False) -> dict[str, Any]:
+    """dumps() a dict of named values (``inline``: see ``dumps``); on failure, find and name the culprit."""
     try:
-        return dumps(values, directory, vm)
+        return dumps(values, directory, vm, inline=inline)
     except Exception as e:
         import cloudpickle
 
@@ -381,11 +368,61 @@ def send(stream: IO[bytes], msg: Any) -> None:
     stream.flush()
 
 
-def framed(msg: Any) -> tuple[bytes, bytes]:
-    """``send``'s bytes as (header, body), for a channel that carries them in pieces: a large message is not
-    copied once more to join them."""
-    data = pickle.dumps(msg, protocol=5)
-    return _HEADER.pack(len(data)), data
+class _Count:
+    """A pickler's file that only counts what it is given."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, data: Any) -> None:
+        self.n += memoryview(data).nbytes
+
+
+class _Pieces:
+    """A pickler's file that hands what it is given on in pieces of at most ``piece`` bytes: the pickler's small
+    writes joined, a large buffer (an in-band ``PickleBuffer``, passed to ``write`` as it is) sliced, not copied."""
+
+    def __init__(self, emit: Callable[[memoryview], None], piece: int) -> None:
+        self._emit, self._piece = emit, piece
+        self._small = bytearray()
+        self.n = 0
+
+    def write(self, data: Any) -> None:
+        view = data.raw() if isinstance(data, pickle.PickleBuffer) else memoryview(data).cast("B")
+        self.n += view.nbytes
+        if len(self._small) + view.nbytes <= self._piece:
+            self._small += view
+            return
+        self.flush()
+        for off in range(0, view.nbytes, self._piece):
+            self._emit(view[off : off + self._piece])
+
+    def flush(self) -> None:
+        if self._small:
+            small, self._small = self._small, bytearray()
+            self._emit(memoryview(small))
+
+
+def framed_size(msg: Any) -> int:
+    """How many bytes ``send`` writes for ``msg`` (what ``write_framed`` hands on), without making them."""
+    count = _Count()
+    pickle.Pickler(count, protocol=5).dump(msg)
+    return _HEADER.size + count.n
+
+
+def write_framed(msg: Any, emit: Callable[[memoryview], None], piece: int, size: int | None = None) -> int:
+    """``send``'s bytes for ``msg`` handed to ``emit`` in pieces of at most ``piece`` bytes, never joined: the
+    buffers a message carries in band (a cell's inputs for a node without the shared root, ``dumps(inline=True)``)
+    go out from the values' own memory, so the channel's send is the only copy of them on this host. ``size``:
+    ``framed_size(msg)``, when the caller measured it already. Returns the bytes handed on."""
+    size = framed_size(msg) if size is None else size
+    out = _Pieces(emit, piece)
+    out.write(_HEADER.pack(size - _HEADER.size))
+    pickle.Pickler(out, protocol=5).dump(msg)
+    out.flush()
+    if out.n != size:  # the message changed while it was sent (another thread): the frame is broken
+        raise TransferError(f"a message of {size} bytes changed to {out.n} bytes while it was sent")
+    return out.n
 
 
 def recv(stream: IO[bytes]) -> Any:

@@ -18,7 +18,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, private_mounts_missing, ray_missing, start_private_node
-from remote_fixtures import hidden_dir, kernel_of, ray_broker, ray_env, release_all, running
+from remote_fixtures import buffer_files_made, hidden_dir, kernel_of, ray_broker, ray_env, release_all, running
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -113,16 +113,18 @@ def _large_values_both_ways(kernel: Any, node: str) -> None:
 def test_large_values_on_a_node_that_shares_the_artifact_root(kernel: Any, client: BrokerClient,
                                                               hidden: str) -> None:
     _leave_free_only(client, SECOND)
-    _large_values_both_ways(kernel, SECOND)
+    made = buffer_files_made(kernel, lambda: _large_values_both_ways(kernel, SECOND))
     root = Path(hidden, "artifacts")
     assert list(root.glob("*/.oob")) and not list(root.glob("*/.oob/*"))  # through the shared root, read there
+    assert made and all("/.oob/" in path for path in made)  # the inputs' file, written there at once
 
 
 def test_large_values_on_a_node_with_an_unshared_root_go_through_the_object_store(
         kernel: Any, client: BrokerClient, hidden: str) -> None:
     _leave_free_only(client, PRIVATE)
     seen = {v["id"] for v in client.leases(ended=100)}
-    _large_values_both_ways(kernel, PRIVATE)
+    made = buffer_files_made(kernel, lambda: _large_values_both_ways(kernel, PRIVATE))
+    assert made == []  # the inputs went packed into the message (Ray's object store): no file of them here, ever
     lease = next(v for v in client.leases(ended=100) if v["id"] not in seen and v["node"] == PRIVATE)
     assert not os.path.exists(os.path.join(hidden, "artifacts", lease["id"], ".oob"))  # not through the shared root
 

@@ -59,3 +59,48 @@ def test_api_lease_on_gpu_and_map_run_as_slurm_steps(kernel: Any, broker: Broker
         wait_for(lambda: not [v for v in c.leases() if v["state"] not in ENDED], what="the API's leases released")
     finally:
         c.close()
+
+
+WARM_CALLS = (
+    "import os, time, statistics, jupyter_gpulease\n"
+    "def step(_=None):\n"
+    "    import os, time\n"
+    "    ticks = int(open(f'/proc/{os.getppid()}/stat').read().rsplit(')', 1)[1].split()[19])  # the relay's start\n"
+    "    age = float(open('/proc/uptime').read().split()[0]) - ticks / os.sysconf('SC_CLK_TCK')\n"
+    "    time.sleep(0.5)  # a call's work: long enough for the next call's step to start meanwhile\n"
+    "    return os.getpid(), os.environ.get('GPULEASE_SLURM_STEP_ID'), time.time() - age\n"
+    "calls = []\n"
+    "with jupyter_gpulease.lease(1) as held:\n"
+    "    for _ in range(6):\n"
+    "        t0 = time.time()\n"
+    "        pid, step_id, born = held.run(step)\n"
+    "        calls.append((t0, time.time() - t0 - 0.5, pid, step_id, born))\n"
+    "print('cold', round(statistics.median(c[1] for c in calls[:2]) * 1e3))\n"
+    "print('warm', round(statistics.median(c[1] for c in calls[2:]) * 1e3))\n"
+    "print('prestarted', sum(born < t0 for t0, _, _, _, born in calls[2:]), len(calls[2:]))\n"
+    "print('fresh', len({c[2] for c in calls}), len({c[3] for c in calls}))\n"
+)
+
+
+def test_api_lease_warm_slurm_step_for_the_next_call(kernel: Any, broker: BrokerProcess) -> None:
+    """A lease that runs several calls (``lease().run``, ``map``): from its second call on, the next call's step is
+    started while the current one runs (``SlurmExecutor.keep_warm``), so the next call finds its relay and a fresh
+    worker running, not a new srun; every call still has a worker (and a step) of its own."""
+    switch = ("from jupyter_gpulease.kernel import api\nget_ipython().config.SlurmExecutor.keep_warm = {0}\n"
+              "if 'slurm' in api._executors:\n    api._executors['slurm'].keep_warm = {0}\n")
+    figures = {}
+    for warm in (False, True):
+        assert kernel.run(switch.format(warm)).status == "ok"
+        r = kernel.run(WARM_CALLS, timeout=T * 4)
+        assert r.status == "ok", r.outputs
+        lines = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
+        assert lines["fresh"] == ["6", "6"], r.stdout  # a fresh worker in a step of its own per call
+        figures[warm] = lines
+    # the time a call adds to its 0.5 s of work (ms; the first two calls, then calls 3-6), keep_warm off and on
+    print("keep_warm off:", figures[False], "on:", figures[True])
+    assert figures[True]["prestarted"] == ["4", "4"]  # calls 3-6: their step started before the call
+    c = broker.client(timeout=T)
+    try:
+        wait_for(lambda: not [v for v in c.leases() if v["state"] not in ENDED], what="the API's leases released")
+    finally:
+        c.close()

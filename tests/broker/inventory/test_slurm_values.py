@@ -24,7 +24,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import private_mounts_missing
-from remote_fixtures import hidden_dir, kernel_of, release_all, running, slurm_broker
+from remote_fixtures import buffer_files_made, hidden_dir, kernel_of, release_all, running, slurm_broker
 from slurm_cluster import LocalSlurmCluster, local_slurm_cluster, slurm_missing
 
 from jupyter_gpulease.client import BrokerClient
@@ -94,9 +94,10 @@ def _moved(kernel: Any) -> dict[str, int]:
 def test_large_values_on_a_node_that_shares_the_artifact_root(kernel: Any, client: BrokerClient,
                                                               hidden: str) -> None:
     before = _moved(kernel)
-    _large_values_both_ways(kernel, 4, "n1")
+    made = buffer_files_made(kernel, lambda: _large_values_both_ways(kernel, 4, "n1"))
     root = Path(hidden, "artifacts")
     assert list(root.glob("*/.oob")) and not list(root.glob("*/.oob/*"))  # through the shared root, read there
+    assert made and all("/.oob/" in path for path in made)  # the inputs' file, written there at once
     assert _moved(kernel)["direct"] == before["direct"]  # no direct channel where the root is shared
 
 
@@ -104,8 +105,9 @@ def test_large_values_on_a_node_with_an_unshared_root_go_through_the_direct_chan
         kernel: Any, client: BrokerClient, hidden: str) -> None:
     seen = {v["id"] for v in client.leases(ended=100)}
     before = _moved(kernel)
-    _large_values_both_ways(kernel, 2, "n2")
+    made = buffer_files_made(kernel, lambda: _large_values_both_ways(kernel, 2, "n2"))
     after = _moved(kernel)
+    assert made == []  # the inputs went packed into the message: no file of them on the kernel's host, ever
     lease = next(v for v in client.leases(ended=100) if v["id"] not in seen and v["node"] == "n2")
     assert not os.path.exists(os.path.join(hidden, "artifacts", lease["id"], ".oob"))  # not through the shared root
     assert after["direct"] - before["direct"] >= 2 * (8 << 21)  # 16 MiB in, 16 MiB out: the direct channel
@@ -122,11 +124,12 @@ def test_large_values_unshared_root_through_srun_stdio_with_the_direct_channel_o
     assert kernel.run(SWITCH.format(False)).status == "ok"
     try:
         before = _moved(kernel)
-        _large_values_both_ways(kernel, 2, "n2")
+        made = buffer_files_made(kernel, lambda: _large_values_both_ways(kernel, 2, "n2"))
         after = _moved(kernel)
     finally:
         assert kernel.run(SWITCH.format(True)).status == "ok"
     assert after["direct"] == before["direct"] and after["stdio"] - before["stdio"] >= 2 * (8 << 21)
+    assert made == []
 
 
 def test_large_values_direct_channel_refuses_a_wrong_key_and_an_altered_frame() -> None:

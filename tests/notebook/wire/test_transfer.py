@@ -20,19 +20,49 @@ from jupyter_gpulease.wire import transfer, vmcopy
 
 
 def test_large_values_travel_inline_in_the_message_where_no_file_is_shared(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A node without the shared artifact root: the buffers travel in the framed message itself, both ways."""
+    """A node without the shared artifact root: the buffers travel in the framed message itself, both ways; the
+    kernel's inputs are packed straight into it (no file, no copy: ``write_framed`` hands on the array's own memory
+    in pieces), and what arrives is the same message ``send`` writes."""
     import io
 
     big = np.arange(1 << 20, dtype="f8")
-    for packed in (transfer.dumps({"big": big, "alias": big}, inline=True),  # the worker's result
-                   transfer.to_inline(transfer.dumps({"big": big, "alias": big}, str(tmp_path)))):  # the kernel's inputs
-        assert packed is not None and not packed["file"] and packed["inline"]
-        assert not os.listdir(tmp_path)  # to_inline read the file and removed it
-        buf = io.BytesIO()
-        transfer.send(buf, packed)
-        buf.seek(0)
-        out = transfer.loads(transfer.recv(buf))
-        assert out["big"] is out["alias"] and np.array_equal(out["big"], big) and out["big"].flags.writeable
+    packed = transfer.dumps({"big": big, "alias": big}, str(tmp_path), inline=True)
+    assert not packed["file"] and packed["inline"] and not os.listdir(tmp_path)  # no buffer file, ever
+    msg = {"type": "run", "inputs": packed}
+    whole = io.BytesIO()
+    transfer.send(whole, msg)
+    pieces: list[memoryview] = []
+    size = transfer.write_framed(msg, pieces.append, 1 << 20)
+    assert size == transfer.framed_size(msg) == len(whole.getvalue()) and max(p.nbytes for p in pieces) <= 1 << 20
+    assert b"".join(pieces) == whole.getvalue()
+    mine = big.__array_interface__["data"][0]  # the array's own memory, sliced, never copied into a message
+    assert any(np.frombuffer(p, dtype="u1").__array_interface__["data"][0] == mine for p in pieces)
+    whole.seek(0)
+    out = transfer.loads(transfer.recv(whole)["inputs"])
+    assert out["big"] is out["alias"] and np.array_equal(out["big"], big) and out["big"].flags.writeable
+
+
+def test_large_values_inline_cost_no_second_copy_on_the_kernels_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """64 MiB of inputs packed into the message and handed on in 4 MiB pieces: no file, and no more memory than a
+    piece or two (a copy of the values in a file, a bytearray or a joined message would be 64 MiB each)."""
+    import tracemalloc
+
+    big = np.ones(8 << 20, dtype="f8")
+    sent = 0
+
+    def sink(piece: memoryview) -> None:
+        nonlocal sent
+        sent += piece.nbytes
+
+    tracemalloc.start()
+    try:
+        msg = {"type": "run", "inputs": transfer.dumps_named({"x": big}, str(tmp_path), inline=True)}
+        transfer.write_framed(msg, sink, 4 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sent > big.nbytes and not os.listdir(tmp_path)
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB allocated to send {big.nbytes / 2**20:.0f} MiB"
 
 
 def test_large_buffers_travel_out_of_band_and_come_back_writable(tmp_path) -> None:  # type: ignore[no-untyped-def]
