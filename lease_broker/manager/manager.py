@@ -82,7 +82,7 @@ class LeaseManager:
         self.reservations = Reservations(state=state, ops=self, policy=policy, store=admin, enforcer=self.enforcer,
                                          now=now)
         self.preemption = Preemption(state=state, ops=self, policy=policy, enforcer=self.enforcer,
-                                     reservations=self.reservations)
+                                     reservations=self.reservations, plan=lambda: self.planning.plan)
         self.quotas = Quotas(state=state, policy=policy, store=admin, reservations=self.reservations,
                              enforcer=self.enforcer)
         self.accounting = Accounting(state=state, policy=policy, store=admin)  # past use: fair share, reports

@@ -103,6 +103,13 @@ class Planning:
             if by is not None and by.state == LeaseState.QUEUED:
                 self.held_back.setdefault(by.id, set()).add(lease.id)
                 wants = False
+        if wants and lease.id not in q and s is not None and s.why == "preempted" \
+                and self.policy.suspend_resume_behind_gangs and self.older_gang(lease, s.since) is not None:
+            # not before an older gang (``suspend_resume_behind_gangs``): queued as a request of its user, by its
+            # original arrival, not ahead of every user's requests of its class
+            q.add(dataclasses.replace(resume_pending(lease), resuming=False),
+                  self.scores(s.since, {lease.user}).get(lease.user, 0.0))
+            self.arrived.append(lease.id)
         if wants and lease.id not in q:
             q.add(resume_pending(lease), 0.0)
             self.arrived.append(lease.id)
@@ -110,6 +117,17 @@ class Planning:
             q.remove(lease.id)
             self.state.planned.pop(lease.id, None)
             self.state.waiting.pop(lease.id, None)
+
+    def older_gang(self, lease: Lease, since: float) -> Lease | None:
+        """A queued request of more GPUs than ``lease`` left, with a reservation in the latest pass (``plan``), that
+        asked before ``lease`` was suspended: a lease suspended by preemption resumes behind it."""
+        n = len(lease.suspension.devices) if lease.suspension is not None else 0
+        for lid in self.plan:
+            g = self.state.leases.get(lid)
+            if (g is not None and g.state == LeaseState.QUEUED and not g.request.shared
+                    and g.request.min_gpus > n and g.created_at < since):
+                return g
+        return None
 
     def scores(self, now: float, users: set[str]) -> dict[str, float]:
         """The fair-share score of those of ``users`` whose score is not 0 (absent: 0): decayed past usage divided by

@@ -16,18 +16,22 @@ fewest GPUs (``fewest_gpus``), then the fewest leases, the least suspended time,
 earlier asks for the same request are pending (``asked``); asks whose request was granted elsewhere or left the
 queue are withdrawn (``suspend_withdrawn``) before their holders suspend for nothing; a holder that does not report
 in time is revoked as without suspension (the enforcer's fallback). Leases that cannot be suspended are taken only
-as ``preempt_grace_seconds`` says.
+as ``preempt_grace_seconds`` says. With ``suspend_spare_gangs``, no lease holding a GPU of the latest pass's
+reservation (``Planning.plan``) of a bigger request that has waited ``suspend_yield_after_seconds`` is asked
+(``spared``): the small request would take the freed GPU and the victim's resume would push the gang back.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.gpufit import fits
 from ..core.lease import HOLDING, RESUMED, WITHDRAWN, Change, Lease, LeaseState, Preempting
 from ..core.reservation_windows import window_slots
+from ..core.scheduler import Reservation
 from ..host.procs import signal_group
 from ..policy.lease_policy import LeasePolicy
 from .enforcer import Enforcer
@@ -43,9 +47,10 @@ class Preemption:
     """Warnings given to leases that a blocked request of a higher class will take GPUs from."""
 
     def __init__(self, *, state: LiveState, ops: LeaseOps, policy: LeasePolicy, enforcer: Enforcer,
-                 reservations: Reservations) -> None:
+                 reservations: Reservations, plan: Callable[[], Mapping[str, Reservation]]) -> None:
         self.state, self.ops, self.policy = state, ops, policy
         self.enforcer, self.reservations = enforcer, reservations
+        self.plan = plan  # the latest pass's reservations for blocked requests (``Planning.plan``)
         self.warned: set[str] = set()  # holding leases with a warning: an index of ``Lease.preempting``
         #: holding leases asked to suspend for a request, not yet suspended -> that request: an index of
         #: ``Lease.suspension`` (``by_lease``, ``since`` 0)
@@ -147,14 +152,15 @@ class Preemption:
                 p.request.fraction if p.request.shared else need) > cap:
             return None  # waiting on its own cap: suspending others would not help
         aliases = self.policy.gpu_type_aliases()
-        blocked = self._blocked(p, now)
+        blocked = self._blocked(p, now) | self.spared(need, now)
         usable = {g.id for g in self.state.gpus if g.id not in blocked and not g.mig and fits(g, p.request, aliases)}
         held = {d for lease in self.state.holding() for d in lease.devices}
         groups: dict[str, set[str]] = {}
         for g in self.state.gpus:
             if g.id in usable:
                 groups.setdefault("*" if p.request.locality == "any" else g.node, set()).add(g.id)
-        cands = sorted((lease for lease in self.state.holding() if self.suspendable(lease, rank, now)),
+        cands = sorted((lease for lease in self.state.holding() if self.suspendable(lease, rank, now)
+                        and not any(d in blocked for d in lease.devices)),
                        key=lambda lease: (lease.suspended_seconds, -(lease.granted_at or 0.0), -lease.seq))
         suspended = [lease.suspended_seconds for lease in cands]
         best: tuple[int, int, float, int] | None = None
@@ -170,6 +176,21 @@ class Preemption:
                 if best is None or key < best:
                     best, chosen = key, [cands[i] for i in picked]
         return chosen
+
+    def spared(self, need: int, now: float) -> set[str]:
+        """The GPUs no suspension for a request of ``need`` GPUs may take (``suspend_spare_gangs``): those of the
+        latest pass's reservations (``Planning.plan``) for queued requests of more GPUs that have waited
+        ``suspend_yield_after_seconds``."""
+        pol = self.policy
+        if not pol.suspend_spare_gangs:
+            return set()
+        leases, out = self.state.leases, set[str]()
+        for lid, r in self.plan().items():
+            g = leases.get(lid)
+            if (g is not None and g.state == LeaseState.QUEUED and not g.request.shared and g.request.min_gpus > need
+                    and now - g.created_at >= pol.suspend_yield_after_seconds):
+                out.update(r.gpu_ids)
+        return out
 
     def warn(self, victim: Lease, by: Lease, grace: float, now: float) -> None:
         deadline = now + grace

@@ -324,6 +324,28 @@ class LeasePolicy(Configurable):
         "suspended exceeds this share of its age (since its request): the starvation bound, it holds GPUs the "
         "rest of the time. Example: 0.5.",
     )
+    suspend_spare_gangs = Bool(
+        False,
+        config=True,
+        help="With preempt_mode 'suspend': a waiting request of more GPUs than the one that would suspend others "
+        "(a gang) that has waited suspend_yield_after_seconds is not overtaken through suspension: no lease holding "
+        "a GPU of its planned reservation is suspended (the freed GPU would go to the small request, and the "
+        "victim's resume would push the gang's start back). Example: True.",
+    )
+    suspend_resume_behind_gangs = Bool(
+        False,
+        config=True,
+        help="With preempt_mode 'suspend': a lease suspended by preemption resumes behind (not before) a waiting "
+        "request of more GPUs that asked before it was suspended and holds a planned reservation when it wants its GPUs "
+        "back: it is then queued as a request of its user by its original arrival, not ahead of every new request of "
+        "its class. Example: True.",
+    )
+    suspend_yield_after_seconds = Float(
+        0.0,
+        config=True,
+        help="With suspend_spare_gangs: how long a gang waits before its reserved GPUs are spared (0: from its "
+        "request on). Example: 3600.",
+    )
     user_reservation_max_gpus = Integer(
         0,
         config=True,
