@@ -49,7 +49,7 @@ class SlotIndex:
     ``edit`` keeps those counts itself (``note_idle``).
     """
 
-    __slots__ = ("by_id", "nodes", "idle", "idle_total", "has_mig", "_owned_nodes", "_owned")
+    __slots__ = ("by_id", "nodes", "idle", "idle_total", "has_mig", "_owned_nodes", "_owned", "kept")
 
     def __init__(self, slots: Iterable[Slot] = ()) -> None:
         self.by_id: dict[str, Slot] = {}
@@ -68,6 +68,9 @@ class SlotIndex:
             members.sort(key=lambda s: s.index)
         self._owned_nodes: set[str] | None = None  # None: owns everything (not a fork)
         self._owned: set[str] | None = None
+        #: the ready times a scheduling pass worked out from a node's slots, for later passes (``scheduler._State``):
+        #: node -> (the node's list of slots they came from, when, the times); shared by every fork of this index
+        self.kept: dict[str, tuple[list[Slot], float, list[tuple[float, int]]]] = {}
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -82,7 +85,13 @@ class SlotIndex:
         c.by_id, c.nodes, c.idle, c.idle_total = dict(self.by_id), dict(self.nodes), dict(self.idle), self.idle_total
         c.has_mig = self.has_mig
         c._owned_nodes, c._owned = set(), set()
+        c.kept = self.kept
         return c
+
+    def unchanged(self, node: str) -> bool:
+        """Whether this index still has the node's slots as it was given them (a fork: it changed none of them,
+        so the node's list is the one it shares; a list that is not a fork's own never changes in place)."""
+        return self._owned_nodes is not None and node not in self._owned_nodes
 
     def put(self, slot: Slot) -> None:
         """Replace the slot of the same id (its node and index unchanged), keeping the idle counts."""

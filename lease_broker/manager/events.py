@@ -14,7 +14,13 @@ SCHEMA = "gpulease.event/1"
 class EventBus:
     """Publish events to subscribers' queues; keeps a short backlog for reconnecting clients."""
 
-    def __init__(self, backlog: int = 1000, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, backlog: int = 1000, clock: Callable[[], float] | None = None, views: bool = True) -> None:
+        """``views``: whether lease events carry the lease's view (``LeaseManager.commit`` builds it; the service's
+        subscribers, the event stream and the notifier, read it). The replay's bus says False: its one subscriber
+        reads only which lease changed (``replay/sim.py: collect``), so its events carry ``{"id": ...}``: building a
+        view for each of its 14,114 lease events was 0.56 s of 8.0 s of CPU on the 3,000-job version of the
+        overloaded month replay (benchmarks/replay_month.py)."""
+        self.views = views
         self._seq = itertools.count(1)
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.backlog: deque[dict[str, Any]] = deque(maxlen=backlog)

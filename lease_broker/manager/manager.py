@@ -390,7 +390,8 @@ class LeaseManager:
         if change.state is not None and before is not None:
             self._log_transition(lease, before)
         if change.state is not None or change.event:
-            event = {"lease": self.view(lease), "user": lease.user, "change": change.event or lease.state.value,
+            view = self.view(lease) if self.events.views else {"id": lease.id}  # (the replay's: ``EventBus``)
+            event = {"lease": view, "user": lease.user, "change": change.event or lease.state.value,
                      "previous": before.value if before is not None else None}
             self.group.after(lambda: self.events.publish("lease", **event))
         if before in (LeaseState.QUEUED, LeaseState.SUSPENDED) and change.state is not None:

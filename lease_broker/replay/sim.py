@@ -36,6 +36,7 @@ from ..core.driver import SyncDriver
 from ..core.errors import Forbidden
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
+from ..manager.events import EventBus
 from ..manager.manager import LeaseManager
 from ..policy.lease_policy import LeasePolicy
 from ..store.lease_store import Store
@@ -86,6 +87,7 @@ class _Sim:
             policy,
             clock=self.clock,
             driver=self.driver,
+            events=EventBus(clock=self.clock.now, views=False),  # collect() reads which lease changed, not its view
         )
         self.run = Run(mode=mode, cluster=cluster, idle_timeout=idle)
         alone = sum(1 for b in trace.bursts if not b.session)
