@@ -6,7 +6,11 @@ broker with ``--inventory=ray``, real kernels (tests/kernels.py) that join the c
 peers run in the same kernel, round by round with the ``%%gpu`` cells (drift hits them all alike): ipyparallel's
 trivial ``%%px`` on one warm engine (benchmarks/cell_peers.py), and a call of a warm Ray actor on the same cluster
 (what a cell could at best cost through Ray). A kernel's first Ray cell is timed in a new kernel each time (Ray's
-driver connection, the node's warm actor and its worker start, the lease).
+driver connection, the lease, the node's warm actor and the idle Ray worker for its GPU-ID task), and the CPU an
+``import ray`` costs a fresh Python (each Ray worker process's start) against the kernel's (its IRI grammar deferred)
+and a Ray worker's of a node started with the site directory (executors/ray_lazy_import.py). Then, on a second
+cluster whose raylets have that directory first on PYTHONPATH (the admin guide's deployment), a kernel's first and
+second Ray cells again.
 """
 
 from __future__ import annotations
@@ -54,6 +58,67 @@ def _connected(kernel: Any, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
+IMPORT_RAY = "import ray"
+#: what the kernel does before its first ``import ray`` (executors/ray_lazy_import.py)
+IMPORT_RAY_DEFERRED = ("from jupyter_gpulease.executors.ray_lazy_import import defer_iri_grammar\n"
+                       "defer_iri_grammar()\nimport ray")
+
+
+def _import_cpu(code: str, site: bool = False) -> float:
+    """CPU seconds (user + system, in ms) of a fresh Python that runs ``code``: what each Ray worker process pays
+    at its start for ``import ray``, and the kernel at its background join. ``site``: started as the Ray workers of
+    a node whose ``ray start`` has the site directory first on PYTHONPATH (ray_lazy_import.site_dir)."""
+    import resource
+    import subprocess
+
+    from jupyter_gpulease.executors.ray_lazy_import import site_dir
+
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir(), env.get("PYTHONPATH", "")) if p)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000
+
+
+def _site_firsts(tmp: str, firsts: int, samples: dict[str, list[float]]) -> None:
+    """A kernel's first and second Ray cells on a cluster whose raylets start their worker processes with the site
+    directory first on PYTHONPATH (ray_lazy_import), as the admin guide's deployment says."""
+    from broker_process import BrokerProcess
+    from kernels import Kernel
+    from ray_cluster import HEAD, local_ray_cluster
+
+    from jupyter_gpulease.executors.ray_lazy_import import site_dir
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir(), before or "") if p)  # the raylets inherit it
+    try:
+        with local_ray_cluster() as c:
+            broker = None
+            try:
+                broker = BrokerProcess(Path(tmp) / "broker-site", args=[
+                    "--inventory=ray", f"--RayInventory.address={c.address}", f"--RayInventory.node_ip={HEAD}",
+                    "--tick=0.1", "--LeasePolicy.heartbeat_timeout=0"], env=c.env).start(timeout=120)
+                env = {**c.env, "GPULEASE_RAY_NODE_IP": HEAD}
+                for i in range(firsts):
+                    k = Kernel(broker.url, os.path.join(tmp, f"artifacts-site{i}"), env)
+                    try:
+                        _timed(k, "pass")
+                        samples.setdefault("site_first", []).append(_timed(k, "%%gpu 1\npass"))
+                        samples.setdefault("site_second", []).append(_timed(k, "%%gpu 1\npass"))
+                    finally:
+                        k.stop()
+            finally:
+                if broker is not None:
+                    broker.stop()
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def run(opts: Any) -> list[Figure]:
     n = 3 if opts.quick else 20
     firsts = 1 if opts.quick else 3
@@ -69,6 +134,10 @@ def run(opts: Any) -> list[Figure]:
 
     tmp = tempfile.mkdtemp(prefix="glwarmray")
     samples: dict[str, list[float]] = {}
+    for _ in range(firsts):
+        samples.setdefault("import", []).append(_import_cpu(IMPORT_RAY))
+        samples.setdefault("import_deferred", []).append(_import_cpu(IMPORT_RAY_DEFERRED))
+        samples.setdefault("import_site", []).append(_import_cpu(IMPORT_RAY, site=True))
     missing: dict[str, str] = {}
     try:
         with local_ray_cluster() as c:
@@ -120,6 +189,7 @@ def run(opts: Any) -> list[Figure]:
                     kernel.stop()
                 if broker is not None:
                     broker.stop()
+        _site_firsts(tmp, firsts, samples)
     finally:
         cell_peers.kill_leftovers(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -143,9 +213,28 @@ def run(opts: Any) -> list[Figure]:
                "its second Ray %%gpu cell", samples["second"], bar=("median", "<=", 3000.0),
                note="a new kernel each sample, its first Ray cell right after its start (and one inline cell): it "
                     "waits for the kernel's background join of the Ray cluster (import ray, ray.init: "
-                    "RayExecutor.connect_early), starts the node's warm actor and its worker, and takes a lease."),
+                    "RayExecutor.connect_early), takes a lease, starts the node's warm actor and an idle Ray worker "
+                    "for its GPU-ID task (two new Ray worker processes, each a new Python's import ray: the row "
+                    "below) and borrows the warm worker; the GPU nodes' Ray started plainly (`ray start`)."),
         figure("a kernel's first Ray %%gpu cell, once the kernel joined the cluster", "ms", samples["connected"],
                "its first Ray %%gpu cell right after its start", samples["first"],
                note="a new kernel each sample, its first Ray cell once its background join of the cluster finished "
-                    "(polled): the node's warm actor and its worker start, and the lease."),
+                    "(polled): the lease, the node's warm actor and the GPU-ID task's Ray worker, the cell."),
+        figure("import ray in a fresh Python, CPU time", "ms", samples["import"],
+               "the same, the kernel's way (the IRI grammar deferred)", samples["import_deferred"],
+               note="user + system CPU of `python -c 'import ray'`: what every new Ray worker process (an actor, a "
+                    "task's worker) pays at its start, a kernel's first cell on a node waits for one; most of it is "
+                    "rfc3987_syntax building its IRI grammar at import (jsonschema's optional dependency, via "
+                    "jupyter-events). The baseline: what the kernel's background join pays "
+                    "(executors/ray_lazy_import.py)."),
+        figure("a kernel's first Ray %%gpu cell, its GPU nodes' Ray started with the site directory", "ms",
+               samples["site_first"], "its second Ray %%gpu cell", samples["site_second"], bar=("median", "<=", 3000.0),
+               note="as the first row, on a cluster whose raylets have `python -m "
+                    "jupyter_gpulease.executors.ray_lazy_import` first on PYTHONPATH, as the admin guide's deployment "
+                    "for Ray says (Multi-node with Ray): each Ray worker process starts without the IRI grammar."),
+        figure("import ray in a fresh Python, CPU time", "ms", samples["import"],
+               "the same, started with the Ray worker site directory first on PYTHONPATH", samples["import_site"],
+               note="what each Ray worker process of a GPU node pays at its start when its `ray start` has "
+                    "`python -m jupyter_gpulease.executors.ray_lazy_import` first on PYTHONPATH (admin guide, "
+                    "Multi-node with Ray): its sitecustomize defers the IRI grammar, then runs the site's own."),
     ]

@@ -11,7 +11,8 @@ worker's stdin closes and the worker kills its own process group.
 
 A single-use cell instead borrows a pre-started worker from the kernel's warm actor on the node (``WarmCell``,
 ``RayExecutor.warm``): outside the group, with the GPU IDs Ray assigned in the group (a task there reports them),
-watching the group while the worker is lent and killing the worker's process group once the group is removed.
+watching the group while the worker is lent and killing the worker's process group once the group is removed. A
+node's first cell starts the node's warm actor (``WarmActors``).
 
 Values over 1 MiB travel out of band as files in ``<lease artifact dir>/.oob`` where the node sees the
 kernel's artifact root (the marker check, ``base.RootCheck``); elsewhere through Ray's object store: in the
@@ -39,6 +40,7 @@ from traitlets import Bool, Unicode, default
 from ..wire import transfer
 from ..worker.env import sees_marker, worker_env
 from .base import OutputDecoder, PlacedExecutor, RelayedWorker, RootCheck, Sink, WorkerCrashed
+from .ray_lazy_import import cell_pythonpath, defer_iri_grammar
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -72,6 +74,8 @@ class CellProcess:
         where = {"GPULEASE_NODE_IP": ray.util.get_node_ip_address(),
                  "GPULEASE_RAY_ACTOR_ID": ray.get_runtime_context().get_actor_id() or ""}
         full = worker_env({**env, **where, "GPULEASE_CTRL_FD": str(w), "CUDA_VISIBLE_DEVICES": self.visible})
+        if full.get("PYTHONPATH"):  # the node's Ray worker site directory (ray_lazy_import) is the actor's only
+            full["PYTHONPATH"] = cell_pythonpath(full["PYTHONPATH"])
         python = python or sys.executable
         self.error = ""
         if not os.access(python, os.X_OK):  # said in one line by info(), not as the actor's death
@@ -292,6 +296,7 @@ def _connect(placement: dict[str, Any], client_address: str = "") -> Any:
     """Join the lease's Ray cluster: through Ray Client where ``client_address`` (``ray://head:10001``) is set, else as
     a driver of the broker's cluster address, which needs a Ray node on this host: without one, a one-line error at
     once (``ray.init`` would wait 60 s for one)."""
+    defer_iri_grammar()  # a second of CPU less in the kernel's join of the cluster (ray_lazy_import)
     import ray
 
     with _CONNECT:  # the kernel's first cell and its start (RayExecutor.prepare) may both come here
@@ -321,8 +326,10 @@ def _init(ray: Any, placement: dict[str, Any], client_address: str) -> None:
 
 
 class WarmActors:
-    """The kernel's warm actors (``WarmCell``), one per GPU node and interpreter, each made when a cell first needs
-    one there, killed at the kernel's shutdown (and with the kernel, as their owner)."""
+    """The kernel's warm actors (``WarmCell``), one per GPU node and interpreter, each started at the kernel's first
+    cell there (with an idle Ray worker process beside it for ``lend``'s GPU-ID task), killed at the kernel's shutdown
+    (and with the kernel, as their owner). Each Ray worker process's start costs a new Python's ``import ray``: see
+    ``ray_lazy_import`` for what keeps that short."""
 
     def __init__(self) -> None:
         self._actors: dict[tuple[str, str], Any] = {}
@@ -330,37 +337,62 @@ class WarmActors:
         self._lock = threading.Lock()
         self._gpu_ids: Any = None
 
-    def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg: Any, python: str, env: dict[str, str],
+    @staticmethod
+    def _key(node: str, python: str, env: dict[str, str]) -> tuple[str, str]:
+        # the kernel's PYTHON* settings act at the interpreter's start: a worker started with others is not lent
+        return node, python + repr(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
+
+    def start(self, ray: Any, node: str, python: str, env: dict[str, str], namespace: str | None) -> None:
+        """Start the kernel's warm actor on ``node`` for ``python`` unless there is one (``lend`` waits for its
+        answer), and an idle Ray worker process of this kernel's job beside it for ``lend``'s GPU-ID task, both at
+        once: a node's first cell borrows the warm worker as the next ones do. (Starting the warm actor after a first
+        cell run in an actor of its own saved that cell one of the two Ray worker starts, 5.6 -> 2.8 s here, but the
+        cell right after it waited for both: 116 ms -> 3.9-4.5 s, bench:warm_ray, so Run All lost.)"""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        key = self._key(node, python, env)
+        with self._lock:
+            if key in self._actors:
+                return
+            node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node),
+                           None)
+            if node_id is None:
+                return
+            where = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            self._actors[key] = (
+                ray.remote(WarmCell)
+                .options(num_cpus=0, num_gpus=0, max_restarts=0, max_concurrency=4,
+                         name=f"gpulease-warm-{node}-w{os.getpid()}-{os.urandom(3).hex()}",
+                         namespace=namespace, scheduling_strategy=where)
+                .remote(python, [], env)
+            )
+            # a worker process that Ray keeps for this job on the node: the first GPU-ID task there runs at once
+            self._task().options(scheduling_strategy=where).remote()
+
+    def _task(self) -> Any:
+        if self._gpu_ids is None:
+            import ray
+
+            self._gpu_ids = ray.remote(num_cpus=0)(gpu_ids)
+        return self._gpu_ids
+
+    def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg_id: str, python: str, env: dict[str, str],
              start_timeout: float, call_timeout: float) -> tuple[Any, dict[str, Any]] | None:
         """(actor, its claim's info) for a cell of the lease: the node's warm worker, lent with the GPU IDs Ray
-        assigned in the lease's group; None where it cannot be (busy, or its actor failed: then it is killed and
-        the next cell makes a new one), and the cell starts its own actor."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
-
+        assigned in the lease's group; None where it cannot be (no such node, busy, or its actor failed: then it
+        is killed and a later cell makes a new one), and the cell starts its own actor."""
         node = str(placement["bundles"][bundle].get("node") or "")
-        # the kernel's PYTHON* settings act at the interpreter's start: a worker started with others is not lent
-        key = (node, python + repr(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON"))))
-        if self._gpu_ids is None:
-            self._gpu_ids = ray.remote(num_cpus=0)(gpu_ids)
-        # which of the node's GPUs the group holds: a task in the group (Ray keeps a worker for it: milliseconds)
-        ids = self._gpu_ids.options(
-            num_gpus=float(placement["bundles"][bundle].get("gpus", 1)),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)).remote()
+        key = self._key(node, python, env)
         with self._lock:
             actor = self._actors.get(key)
-            if actor is None:
-                node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node),
-                               None)
-                if node_id is None:
-                    return None
-                actor = self._actors[key] = (
-                    ray.remote(WarmCell)
-                    .options(num_cpus=0, num_gpus=0, max_restarts=0, max_concurrency=4,
-                             name=f"gpulease-warm-{node}-w{os.getpid()}-{os.urandom(3).hex()}",
-                             namespace=placement.get("namespace"),
-                             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-                    .remote(python, [], env)
-                )
+        if actor is None:
+            return None
+        # which of the node's GPUs the group holds: a task holding the bundle's GPUs, named as Ray names a group's
+        # resources (what PlacementGroupSchedulingStrategy asks for), so that it runs in the idle worker ``start``
+        # made (Ray 2.60 did not give that worker to the same task asked with num_gpus: a new Ray worker, 2-3 s)
+        gpus = float(placement["bundles"][bundle].get("gpus", 1))
+        ids = self._task().options(num_gpus=0, resources={f"GPU_group_{bundle}_{pg_id}": gpus,
+                                                          f"GPU_group_{pg_id}": gpus}).remote()
         timeout = call_timeout if key in self._answered else start_timeout
         try:
             visible = ray.get(ids, timeout=start_timeout)
@@ -392,6 +424,12 @@ class WarmActors:
                     ray.kill(actor)
 
 
+def kernel_env() -> dict[str, str]:
+    """The kernel's own settings a Ray worker starts with (not what a worker must not inherit: unbuffered output and
+    the like)."""
+    return {k: v for k, v in worker_env().items() if k.startswith(("GPULEASE_", "PYTHON"))}
+
+
 class RayWorker(RelayedWorker):
     """Kernel side: the Worker interface, for a worker that runs in a Ray actor."""
 
@@ -415,8 +453,7 @@ class RayWorker(RelayedWorker):
             pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement["placement_group_id"])))
         gpus = float(placement["bundles"][bundle].get("gpus", 1))
         args = (["--session"] if session else []) + (["--preload", ",".join(preload)] if preload else [])
-        # the kernel's own settings (not what a worker must not inherit: unbuffered output and the like)
-        env = {k: v for k, v in worker_env().items() if k.startswith(("GPULEASE_", "PYTHON"))}
+        env = kernel_env()
         # the cell may use the rest of its gang (the group's other bundles, on other nodes) through Ray itself
         self._lease_env = {"GPULEASE_RAY_ADDRESS": str(placement.get("address") or ""),
                            "GPULEASE_RAY_NAMESPACE": str(placement.get("namespace") or ""),
@@ -426,8 +463,11 @@ class RayWorker(RelayedWorker):
         self._claim = 0  # the loan's number: a worker borrowed from the node's warm actor
         self._kernel_env = {k: v for k, v in env.items() if k.startswith("GPULEASE_")}
         self.info: dict[str, Any]
+        node = str(placement["bundles"][bundle].get("node") or "")
+        if warm is not None and not session:  # the node's warm actor, started at the kernel's first cell there
+            warm.start(ray, node, python or sys.executable, env, placement.get("namespace"))
         lent = None if warm is None or session else warm.lend(
-            ray, placement, bundle, pg, python or sys.executable, env, start_timeout, call_timeout)
+            ray, placement, bundle, pg.id.hex(), python or sys.executable, env, start_timeout, call_timeout)
         if lent is not None:
             self.actor, self.info = lent[0], lent[1]
             self._claim = int(self.info.get("claim") or 0)
@@ -608,8 +648,8 @@ class RayExecutor(PlacedExecutor):
         config=True,
         help="Keep a warm worker on each GPU node this kernel's cells ran on (one Ray actor per node, outside the "
         "leases' placement groups, with no CPUs or GPUs of its own, that dies with the kernel): a single-use cell "
-        "borrows it instead of starting an actor and an interpreter (about 2 s). False: a new actor in the lease's "
-        "placement group for every cell. Example: False.",
+        "borrows it instead of starting an actor and an interpreter (about 2 s); a node's first cell starts it. False: "
+        "a new actor in the lease's placement group for every cell. Example: False.",
     )
 
     def __init__(self, **kwargs: Any) -> None:

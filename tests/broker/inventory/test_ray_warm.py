@@ -98,6 +98,19 @@ def _gpu_ids_of(group_hex: str, gpus: float) -> list[str]:
     return str(ray.get(task.remote(), timeout=T)).split(",")
 
 
+def test_ray_warm_first_cell_on_a_node_borrows_the_warm_worker_too(
+    ray_cluster: LocalRayCluster, broker: BrokerProcess, client: BrokerClient, tmp_path: Path
+) -> None:
+    """A new kernel's first cell on a node starts the kernel's warm actor there and runs in its worker, the next cell
+    (right after) in the next worker of the same actor: no actor of its own for either."""
+    with kernel_of(broker, tmp_path / "artifacts", ray_env(ray_cluster)) as k:
+        first = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+        second = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+        assert second["actor_pid"] == first["actor_pid"]  # both lent by the node's warm actor
+        assert second["pid"] != first["pid"]
+        assert waiting.process_alive(first["actor_pid"])
+
+
 def test_ray_warm_second_cell_borrows_the_prestarted_worker(kernel: Any, client: BrokerClient) -> None:
     first = _where(kernel.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
     submitted = time.time()
