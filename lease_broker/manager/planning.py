@@ -39,6 +39,17 @@ class Planning:
         self.requeued = False
 
     def select(self, now: float) -> tuple[Iterable[Pending], bool]:
+        """The requests the next pass looks at (``_select``), and whether it is a full pass; with
+        ``suspend_grant_asker``, first the requests that leases suspended for (``held_back``): the GPUs a suspension
+        freed go to the request it was made for, not to whoever is ahead of it in the queue."""
+        pending, full = self._select(now)
+        if not self.policy.suspend_grant_asker or not self.held_back:
+            return pending, full
+        q = self.state.queue
+        first = [p for lid in self.held_back if (p := q.get(lid)) is not None]
+        return itertools.chain(first, _once(pending, {p.lease_id for p in first})), full
+
+    def _select(self, now: float) -> tuple[Iterable[Pending], bool]:
         """The requests the next pass looks at, in queue order, and whether it is a full pass.
 
         The event pass (a request, a release, a tick) looks at the head of the queue (``queue_depth``), the first

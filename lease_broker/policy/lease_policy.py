@@ -340,6 +340,13 @@ class LeasePolicy(Configurable):
         "back: it is then queued as a request of its user by its original arrival, not ahead of every new request of "
         "its class. Example: True.",
     )
+    suspend_grant_asker = Bool(
+        False,
+        config=True,
+        help="With preempt_mode 'suspend': the GPUs a suspension freed go to the request it was made for, ahead of "
+        "the queue (else whoever is first in queue order takes them, often a gang whose reservation they complete, "
+        "and the request asks again). Example: True.",
+    )
     suspend_yield_after_seconds = Float(
         0.0,
         config=True,

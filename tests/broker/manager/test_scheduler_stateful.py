@@ -370,10 +370,11 @@ class SuspendMachine(SchedulerMachine):
 
     SUSPENDABLE = True
 
-    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]))
-    def start(self, nodes: int | str) -> None:
+    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]), asker=st.booleans())
+    def start(self, nodes: int | str, asker: bool = False) -> None:
         super().start(nodes)
         self.policy.preempt_mode = "suspend"
+        self.policy.suspend_grant_asker = asker  # (the freed GPUs go to the request suspended for, first)
         self.policy.suspend_max_gpus = 2
         self.policy.suspend_min_runtime_seconds = MIN_RUNTIME
         self.policy.suspend_max_share = MAX_SHARE
