@@ -33,7 +33,9 @@ class Planning:
         self.full_due = True  # the policy, the reservations or the GPUs changed: the next pass is a full one
         self.plan: dict[str, Reservation] = {}  # the latest pass's reservations: event passes keep what holds
         self.cursor = 0  # where in the queue the next full pass's window (full_pass_depth) starts
-        self.held_back: dict[str, set[str]] = {}  # queued request -> the suspended leases it asked (``resuming``)
+        #: queued request -> the suspended leases it asked (``resuming``), in the order they suspended (dicts, not
+        #: sets: they queue again in that order, not in the order of their random ids)
+        self.held_back: dict[str, dict[str, None]] = {}
         #: a request that held suspended leases back ended (cancelled, timed out): they queued for their GPUs, and the
         #: end asks for a pass (``LeaseManager._ended``) as a release does, not the next tick
         self.requeued = False
@@ -118,7 +120,7 @@ class Planning:
         if wants and s is not None and s.by_lease:
             by = self.state.leases.get(s.by_lease)
             if by is not None and by.state == LeaseState.QUEUED:
-                self.held_back.setdefault(by.id, set()).add(lease.id)
+                self.held_back.setdefault(by.id, {})[lease.id] = None
                 wants = False
         if wants and lease.id not in q and s is not None and s.why == "preempted" \
                 and self.policy.suspend_resume_behind_gangs and self.older_gang(lease, s.since) is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from ..core.gpufit import fits
@@ -51,7 +51,9 @@ class Preemption:
         self.state, self.ops, self.policy = state, ops, policy
         self.enforcer, self.reservations = enforcer, reservations
         self.plan = plan  # the latest pass's reservations for blocked requests (``Planning.plan``)
-        self.warned: set[str] = set()  # holding leases with a warning: an index of ``Lease.preempting``
+        #: holding leases with a warning: an index of ``Lease.preempting``, in the order they were warned (a dict: a
+        #: set of lease ids would revoke victims whose grace ends in the same tick in the order of their random ids)
+        self.warned: dict[str, None] = {}
         #: holding leases asked to suspend for a request, not yet suspended -> that request: an index of
         #: ``Lease.suspension`` (``by_lease``, ``since`` 0)
         self.asked: dict[str, str] = {}
@@ -59,12 +61,12 @@ class Preemption:
 
     def restored(self, leases: list[Lease]) -> None:
         """The index of warned leases after a restart (their warnings are facts of the leases, stored with them)."""
-        self.warned = {lease.id for lease in leases if lease.preempting is not None and lease.state in HOLDING}
+        self.warned = {lease.id: None for lease in leases if lease.preempting is not None and lease.state in HOLDING}
         self.asked = {lease.id: s.by_lease for lease in leases
                       if (s := lease.suspension) is not None and not s.suspended and s.by_lease
                       and lease.state in HOLDING}
 
-    def choose_victims(self, p: Lease, marked: set[str], now: float) -> list[Lease] | None:
+    def choose_victims(self, p: Lease, marked: Container[str], now: float) -> list[Lease] | None:
         """The fewest lower-class leases whose GPUs, with the idle ones, fit ``p``; None if none do."""
         ranks = self.policy.priority_classes
         rank = ranks.get(p.request.priority, 0)
@@ -196,7 +198,7 @@ class Preemption:
         deadline = now + grace
         cls = by.request.priority
         self.ops.commit(victim, Change(preempting=Preempting(by.id, by.user, cls, now, deadline), event="preempting"))
-        self.warned.add(victim.id)
+        self.warned[victim.id] = None
         log.info("Lease %s of %s preempted by class %s (lease %s): grace %g s", victim.id, victim.user, cls, by.id,
                  grace)
         for pid, ticks in victim.processes.items():
@@ -223,15 +225,15 @@ class Preemption:
             victim = leases.get(vid)
             w = victim.preempting if victim is not None else None
             if victim is None or w is None or victim.state not in HOLDING:
-                self.warned.discard(vid)
+                self.warned.pop(vid, None)
                 continue
             by = leases.get(w.by_lease)
             if by is None or by.state != LeaseState.QUEUED:
-                self.warned.discard(vid)  # the request was granted elsewhere or cancelled: no need any more
+                self.warned.pop(vid, None)  # the request was granted elsewhere or cancelled: no need any more
                 self.ops.commit(victim, Change(preempting=WITHDRAWN, event="preemption_cancelled"))
                 self.ops.publish("lease.preemption_cancelled", lease_id=vid, user=victim.user)
             elif now >= w.deadline:
-                self.warned.discard(vid)
+                self.warned.pop(vid, None)
                 self.ops.end(victim, LeaseState.REVOKED, REASON)
         self._withdraw(now)
         suspending = self.policy.preempt_mode == "suspend"
