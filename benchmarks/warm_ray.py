@@ -83,6 +83,17 @@ def _import_cpu(code: str, site: bool = False) -> float:
     return (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000
 
 
+def _first_two(k: Any, samples: dict[str, list[float]], tag: str) -> None:
+    """A new kernel's first and second Ray cells right after its start (and one inline cell), into ``samples``
+    (``<tag>first``, ``<tag>second``); then the kernel stops."""
+    try:
+        _timed(k, "pass")
+        samples.setdefault(f"{tag}first", []).append(_timed(k, "%%gpu 1\npass"))
+        samples.setdefault(f"{tag}second", []).append(_timed(k, "%%gpu 1\npass"))
+    finally:
+        k.stop()
+
+
 def _site_firsts(tmp: str, firsts: int, samples: dict[str, list[float]]) -> None:
     """A kernel's first and second Ray cells on a cluster whose raylets start their worker processes with the site
     directory first on PYTHONPATH (ray_lazy_import), as the admin guide's deployment says."""
@@ -103,13 +114,7 @@ def _site_firsts(tmp: str, firsts: int, samples: dict[str, list[float]]) -> None
                     "--tick=0.1", "--LeasePolicy.heartbeat_timeout=0"], env=c.env).start(timeout=120)
                 env = {**c.env, "GPULEASE_RAY_NODE_IP": HEAD}
                 for i in range(firsts):
-                    k = Kernel(broker.url, os.path.join(tmp, f"artifacts-site{i}"), env)
-                    try:
-                        _timed(k, "pass")
-                        samples.setdefault("site_first", []).append(_timed(k, "%%gpu 1\npass"))
-                        samples.setdefault("site_second", []).append(_timed(k, "%%gpu 1\npass"))
-                    finally:
-                        k.stop()
+                    _first_two(Kernel(broker.url, os.path.join(tmp, f"artifacts-site{i}"), env), samples, "site_")
             finally:
                 if broker is not None:
                     broker.stop()
@@ -155,13 +160,7 @@ def run(opts: Any) -> list[Figure]:
                                   {**env, **cell_peers.env(ipython)})
 
                 for i in range(firsts):  # a kernel's first Ray cell: a new kernel each time
-                    k = new_kernel(f"first{i}")
-                    try:
-                        _timed(k, "pass")
-                        samples.setdefault("first", []).append(_timed(k, "%%gpu 1\npass"))
-                        samples.setdefault("second", []).append(_timed(k, "%%gpu 1\npass"))
-                    finally:
-                        k.stop()
+                    _first_two(new_kernel(f"first{i}"), samples, "")
                     k = new_kernel(f"connected{i}")  # the same, once the kernel's start joined the cluster
                     try:
                         _connected(k)
