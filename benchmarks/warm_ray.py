@@ -6,8 +6,7 @@ broker with ``--inventory=ray``, real kernels (tests/kernels.py) that join the c
 peers run in the same kernel, round by round with the ``%%gpu`` cells (drift hits them all alike): ipyparallel's
 trivial ``%%px`` on one warm engine (benchmarks/cell_peers.py), and a call of a warm Ray actor on the same cluster
 (what a cell could at best cost through Ray). A kernel's first Ray cell is timed in a new kernel each time (Ray's
-driver connection, the lease, the node's warm actor; the GPU IDs of the lease's group come from the lease view, which
-the broker fills once the group is placed), and the CPU an
+driver connection, the lease, the node's warm actor and the idle Ray worker for its GPU-ID task), and the CPU an
 ``import ray`` costs a fresh Python (each Ray worker process's start) against the kernel's (its IRI grammar deferred)
 and a Ray worker's of a node started with the site directory (executors/ray_lazy_import.py). Then, on a second
 cluster whose raylets have that directory first on PYTHONPATH (the admin guide's deployment), a kernel's first and
@@ -213,14 +212,13 @@ def run(opts: Any) -> list[Figure]:
                "its second Ray %%gpu cell", samples["second"], bar=("median", "<=", 3000.0),
                note="a new kernel each sample, its first Ray cell right after its start (and one inline cell): it "
                     "waits for the kernel's background join of the Ray cluster (import ray, ray.init: "
-                    "RayExecutor.connect_early), takes a lease, starts the node's warm actor (one new Ray worker "
-                    "process, a new Python's import ray: the row below; the GPU IDs of the lease's group come from "
-                    "the lease view, placement.bundles[i].gpu_ids, which the broker learns) and borrows the warm "
-                    "worker; the GPU nodes' Ray started plainly (`ray start`)."),
+                    "RayExecutor.connect_early), takes a lease, starts the node's warm actor and an idle Ray worker "
+                    "for its GPU-ID task (two new Ray worker processes, each a new Python's import ray: the row "
+                    "below) and borrows the warm worker; the GPU nodes' Ray started plainly (`ray start`)."),
         figure("a kernel's first Ray %%gpu cell, once the kernel joined the cluster", "ms", samples["connected"],
                "its first Ray %%gpu cell right after its start", samples["first"],
                note="a new kernel each sample, its first Ray cell once its background join of the cluster finished "
-                    "(polled): the lease, the node's warm actor, the cell."),
+                    "(polled): the lease, the node's warm actor and the GPU-ID task's Ray worker, the cell."),
         figure("import ray in a fresh Python, CPU time", "ms", samples["import"],
                "the same, the kernel's way (the IRI grammar deferred)", samples["import_deferred"],
                note="user + system CPU of `python -c 'import ray'`: what every new Ray worker process (an actor, a "

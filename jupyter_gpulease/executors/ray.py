@@ -10,8 +10,7 @@ actor dies (the lease ended and the broker removed the group, or the kernel kill
 worker's stdin closes and the worker kills its own process group.
 
 A single-use cell instead borrows a pre-started worker from the kernel's warm actor on the node (``WarmCell``,
-``RayExecutor.warm``): outside the group, with the GPU IDs Ray assigned in the group (the lease view's
-``placement.bundles[i].gpu_ids``, which the broker learns once the group is placed; where absent, a task there),
+``RayExecutor.warm``): outside the group, with the GPU IDs Ray assigned in the group (a task there reports them),
 watching the group while the worker is lent and killing the worker's process group once the group is removed. A
 node's first cell starts the node's warm actor (``WarmActors``).
 
@@ -34,13 +33,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from traitlets import Bool, Unicode, default
-
-from gpulease_protocol.ray_ids import gpu_ids
 
 from ..wire import transfer
 from ..worker.env import sees_marker, worker_env
@@ -279,6 +274,13 @@ class WarmCell(CellProcess):
         return super().wait(timeout) if self._lent(claim) else None
 
 
+def gpu_ids() -> str:
+    """(A Ray task in a lease's group, on the GPU node.) The GPU IDs Ray assigned there, as CUDA_VISIBLE_DEVICES."""
+    import ray
+
+    return ",".join(str(i) for i in ray.get_gpu_ids())
+
+
 class RayStartError(RuntimeError):
     """The worker could not be started on the lease's node; the message says why and the fix."""
 
@@ -325,17 +327,15 @@ def _init(ray: Any, placement: dict[str, Any], client_address: str) -> None:
 
 class WarmActors:
     """The kernel's warm actors (``WarmCell``), one per GPU node and interpreter, each started at the kernel's first
-    cell there, killed at the kernel's shutdown (and with the kernel, as their owner). Each Ray worker
-    process's start costs a new Python's ``import ray``: see ``ray_lazy_import`` for what keeps that short."""
+    cell there (with an idle Ray worker process beside it for ``lend``'s GPU-ID task), killed at the kernel's shutdown
+    (and with the kernel, as their owner). Each Ray worker process's start costs a new Python's ``import ray``: see
+    ``ray_lazy_import`` for what keeps that short."""
 
     def __init__(self) -> None:
         self._actors: dict[tuple[str, str], Any] = {}
         self._answered: set[tuple[str, str]] = set()  # those that answered once: later calls wait call_timeout
         self._lock = threading.Lock()
         self._gpu_ids: Any = None
-        #: whether the broker tells the GPU IDs (the lease view's ``gpu_ids``): None not known yet, False once it did
-        #: not within IDS_WAIT (an older broker: later cells read the view once and ask Ray at once)
-        self._broker_ids: bool | None = None
 
     @staticmethod
     def _key(node: str, python: str, env: dict[str, str]) -> tuple[str, str]:
@@ -344,11 +344,10 @@ class WarmActors:
 
     def start(self, ray: Any, node: str, python: str, env: dict[str, str], namespace: str | None) -> None:
         """Start the kernel's warm actor on ``node`` for ``python`` unless there is one (``lend`` waits for its
-        answer): a node's first cell borrows the warm worker as the next ones do, and with the GPU IDs in the lease
-        view (the broker's) that first cell starts one Ray worker process, the actor, not two (bench:warm_ray: 4.5 s
-        with the kernel's own GPU-ID task beside it on a plain ``ray start``). (Starting the warm actor after a first
-        cell run in an actor of its own saved that cell one start, but the cell right after it waited for the warm
-        actor: 116 ms -> 3.9-4.5 s, so Run All lost.)"""
+        answer), and an idle Ray worker process of this kernel's job beside it for ``lend``'s GPU-ID task, both at
+        once: a node's first cell borrows the warm worker as the next ones do. (Starting the warm actor after a first
+        cell run in an actor of its own saved that cell one of the two Ray worker starts, 5.6 -> 2.8 s here, but the
+        cell right after it waited for both: 116 ms -> 3.9-4.5 s, bench:warm_ray, so Run All lost.)"""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         key = self._key(node, python, env)
@@ -367,6 +366,8 @@ class WarmActors:
                          namespace=namespace, scheduling_strategy=where)
                 .remote(python, [], env)
             )
+            # a worker process that Ray keeps for this job on the node: the first GPU-ID task there runs at once
+            self._task().options(scheduling_strategy=where).remote()
 
     def _task(self) -> Any:
         if self._gpu_ids is None:
@@ -376,34 +377,25 @@ class WarmActors:
         return self._gpu_ids
 
     def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg_id: str, python: str, env: dict[str, str],
-             start_timeout: float, call_timeout: float,
-             reread: Callable[[], dict[str, Any] | None] | None = None) -> tuple[Any, dict[str, Any]] | None:
+             start_timeout: float, call_timeout: float) -> tuple[Any, dict[str, Any]] | None:
         """(actor, its claim's info) for a cell of the lease: the node's warm worker, lent with the GPU IDs Ray
         assigned in the lease's group; None where it cannot be (no such node, busy, or its actor failed: then it
-        is killed and a later cell makes a new one), and the cell starts its own actor.
-
-        The IDs: the lease view's (``placement.bundles[i].gpu_ids``, the broker's); where the view at grant came
-        before the broker learned them, the lease view read once more (``reread``: a node's first cell once its warm
-        actor answered, seconds in which the broker learns them), polled for up to ``IDS_WAIT`` (once: an older broker
-        that never tells them costs a kernel that wait once); else a task in the group."""
+        is killed and a later cell makes a new one), and the cell starts its own actor."""
         node = str(placement["bundles"][bundle].get("node") or "")
         key = self._key(node, python, env)
         with self._lock:
             actor = self._actors.get(key)
         if actor is None:
             return None
+        # which of the node's GPUs the group holds: a task holding the bundle's GPUs, named as Ray names a group's
+        # resources (what PlacementGroupSchedulingStrategy asks for), so that it runs in the idle worker ``start``
+        # made (Ray 2.60 did not give that worker to the same task asked with num_gpus: a new Ray worker, 2-3 s)
+        gpus = float(placement["bundles"][bundle].get("gpus", 1))
+        ids = self._task().options(num_gpus=0, resources={f"GPU_group_{bundle}_{pg_id}": gpus,
+                                                          f"GPU_group_{pg_id}": gpus}).remote()
         timeout = call_timeout if key in self._answered else start_timeout
         try:
-            visible = placement["bundles"][bundle].get("gpu_ids")
-            if visible is None and reread is not None:
-                if key not in self._answered:  # the actor's start (seconds) first: the broker learns the IDs meanwhile
-                    ray.get(actor.info.remote(), timeout=start_timeout)
-                visible = _bundle_ids(reread, bundle, pg_id, 0.0 if self._broker_ids is False else IDS_WAIT)
-                self._broker_ids = self._broker_ids or visible is not None
-            elif visible is not None:
-                self._broker_ids = True
-            if visible is None:
-                visible = ray.get(self._ids_task(placement, bundle), timeout=start_timeout)
+            visible = ray.get(ids, timeout=start_timeout)
             info: dict[str, Any] = ray.get(actor.claim.remote(placement["placement_group_id"], visible),
                                            timeout=timeout)
         except Exception:
@@ -411,20 +403,6 @@ class WarmActors:
             return None
         self._answered.add(key)
         return None if info.get("busy") else (actor, info)
-
-    def _ids_task(self, placement: dict[str, Any], bundle: int) -> Any:
-        """Which of the node's GPUs the group holds, where the broker did not tell: a task in the bundle that holds
-        its GPUs (``PlacementGroupSchedulingStrategy``, as before the broker told them: Ray kills it with the group;
-        asked by the group's resource names instead, as the broker does, a group removed while it runs made Ray 2.60's
-        raylet abort, and the broker waits for its own before it removes a group)."""
-        from ray._raylet import PlacementGroupID
-        from ray.util.placement_group import PlacementGroup
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(placement["placement_group_id"])))
-        return self._task().options(
-            num_gpus=float(placement["bundles"][bundle].get("gpus", 1)),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)).remote()
 
     def _forget(self, ray: Any, key: tuple[str, str], actor: Any) -> None:
         with self._lock:
@@ -446,31 +424,6 @@ class WarmActors:
                     ray.kill(actor)
 
 
-#: how long a cell waits (polling the lease view) for the broker to tell a bundle's GPU IDs before asking Ray itself
-#: (a task in the group); the broker knows them tens of ms after the group is placed (bench:warm_ray)
-IDS_WAIT = 3.0
-IDS_POLL = 0.02
-
-
-def _bundle_ids(reread: Callable[[], dict[str, Any] | None], bundle: int, pg_id: str, wait: float) -> str | None:
-    """The bundle's GPU IDs in the lease view read again, polled for up to ``wait`` seconds (None: not there by then,
-    another group, or no answer)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            placement = reread() or {}
-            if placement.get("placement_group_id") != pg_id:
-                return None
-            ids = placement["bundles"][bundle].get("gpu_ids")
-        except Exception:
-            return None
-        if ids is not None:
-            return str(ids)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(IDS_POLL)
-
-
 def kernel_env() -> dict[str, str]:
     """The kernel's own settings a Ray worker starts with (not what a worker must not inherit: unbuffered output and
     the like)."""
@@ -485,10 +438,9 @@ class RayWorker(RelayedWorker):
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
                  session: bool = False, bundle: int = 0, lease_id: str = "", start_timeout: float = DEFAULT_START_TIMEOUT,
                  call_timeout: float = DEFAULT_CALL_TIMEOUT, client_address: str = "",
-                 warm: WarmActors | None = None, reread: Callable[[], dict[str, Any] | None] | None = None) -> None:
+                 warm: WarmActors | None = None) -> None:
         """``warm``: the kernel's warm actors; a single-use worker is then borrowed from the node's (``WarmCell``),
-        else (a session, the warm one busy or failing) started in a new actor in the lease's group. ``reread``: the
-        lease's placement as the broker shows it now (``WarmActors.lend``)."""
+        else (a session, the warm one busy or failing) started in a new actor in the lease's group."""
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         ray = _connect(placement, client_address)
         from ray._raylet import PlacementGroupID
@@ -515,7 +467,7 @@ class RayWorker(RelayedWorker):
         if warm is not None and not session:  # the node's warm actor, started at the kernel's first cell there
             warm.start(ray, node, python or sys.executable, env, placement.get("namespace"))
         lent = None if warm is None or session else warm.lend(
-            ray, placement, bundle, pg.id.hex(), python or sys.executable, env, start_timeout, call_timeout, reread)
+            ray, placement, bundle, pg.id.hex(), python or sys.executable, env, start_timeout, call_timeout)
         if lent is not None:
             self.actor, self.info = lent[0], lent[1]
             self._claim = int(self.info.get("claim") or 0)
@@ -726,13 +678,6 @@ class RayExecutor(PlacedExecutor):
     def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
                session: bool) -> RayWorker:
         assert lease.placement is not None
-        client = getattr(self.parent, "client", None)  # the magics' broker client (the Python API's has none here)
-        lease_id = lease.id
-
-        def reread() -> dict[str, Any] | None:
-            return client.lease(lease_id).placement if client is not None else None
-
         return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id,
                          start_timeout=self.start_timeout, call_timeout=self.call_timeout,
-                         client_address=self.client_address, warm=self._warm if self.warm else None,
-                         reread=reread if client is not None else None)
+                         client_address=self.client_address, warm=self._warm if self.warm else None)

@@ -42,13 +42,7 @@ export interface ILease {
     placement_group?: string;
     placement_group_id?: string;
     state?: string;
-    bundles?: {
-      index?: number;
-      node?: string;
-      gpus?: number;
-      gpu_ids?: string;
-      [key: string]: unknown;
-    }[];
+    bundles?: Record<string, unknown>[];
     [key: string]: unknown;
   } | null;
   preempting?: {

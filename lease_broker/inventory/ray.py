@@ -10,27 +10,18 @@ found again by name; ending the lease removes it (Ray then kills the actors in i
 ``%%gpu`` worker). A group that Ray cannot place within ``placement_timeout`` is removed and
 the lease fails; a node that dies takes its GPUs out of the inventory and fails the leases
 that held them.
-
-Once a group is placed, the broker learns which GPU IDs Ray assigned to each bundle (one task per bundle, in the
-group, ``gpulease_protocol.ray_ids``: on a Ray thread, never the event loop) and the lease view shows them
-(``placement.bundles[i].gpu_ids``, e.g. ``"0,1"``), so that a kernel need not run that task itself. At start the
-broker runs one trivial task on each GPU node: its idle Ray worker process there then runs those tasks at once.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from traitlets import Unicode
-
-from gpulease_protocol.ray_ids import gpu_ids, group_resources
 
 from ..core.errors import LeaseError
 from ..core.gpu import GPU, GpuSample
@@ -119,11 +110,6 @@ class RayInventory(Inventory):
         self._adopted = False
         self._discovered = False
         self._dirty = False  # discover() saw a different set of GPUs than the broker has
-        self._gpu_ids: dict[str, dict[int, str]] = {}  # lease id -> bundle index -> the GPU IDs Ray assigned there
-        self._asking: dict[str, set[Any]] = {}  # lease id -> its GPU-ID tasks still running (ObjectRefs)
-        self._ids_task: Any = None
-        # asks for the GPU IDs of a placed group off Ray's callback thread (submits tasks; never waits for them)
-        self._asker = ThreadPoolExecutor(1, thread_name_prefix="gpulease-ray-ids")
 
     # ---------------------------------------------------------------- connection
     def _connect(self) -> Any:
@@ -169,31 +155,11 @@ class RayInventory(Inventory):
                     for i in range(count)]
         with self._lock:
             self._dirty = self._dirty or (self._discovered and [g.id for g in out] != [g.id for g in self._gpus])
-            first = not self._discovered
-            if first:
+            if not self._discovered:
                 self._reported = {g.id: g for g in out}  # the broker starts with these
             self._discovered = True
             self._gpus, self._declared, self._node_count = out, declared, len(nodes)
-        if first:
-            self._prestart([n["NodeID"] for n in nodes if int((n.get("Resources") or {}).get("GPU", 0))])
         return out
-
-    def _ids(self) -> Any:
-        if self._ids_task is None:
-            self._ids_task = self._connect().remote(num_cpus=0)(gpu_ids)
-        return self._ids_task
-
-    def _prestart(self, node_ids: list[str]) -> None:
-        """One trivial task (no CPUs) on each GPU node, not waited for: the Ray worker process it starts (a new
-        Python's ``import ray``, seconds of the node's CPU, once) stays idle for this broker's job, so the tasks that
-        learn each placed group's GPU IDs there run in it at once (milliseconds)."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        for node_id in node_ids:
-            try:
-                self._ids().options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-            except Exception:  # only a head start: the first group's tasks start the worker then
-                log.debug("Ray node %s: no prestarted worker", node_id, exc_info=True)
 
     def sample(self) -> dict[str, GpuSample]:
         """Ray reports no per-GPU use: refresh the node list (node death) and report empty samples."""
@@ -232,16 +198,8 @@ class RayInventory(Inventory):
             "placement_group": pg_name(lease.id),
             "placement_group_id": pg.id.hex(),
             "state": self._pg_state.get(lease.id, "pending"),
-            "bundles": [self._bundle(lease.id, i, n, frac or count) for i, (n, count) in enumerate(per_node.items())],
+            "bundles": [{"index": i, "node": n, "gpus": frac or count} for i, (n, count) in enumerate(per_node.items())],
         }
-
-    def _bundle(self, lease_id: str, index: int, node: str, gpus: float) -> dict[str, Any]:
-        """A bundle as the view shows it; ``gpu_ids`` once the broker learned them (``_learn_ids``)."""
-        out: dict[str, Any] = {"index": index, "node": node, "gpus": gpus}
-        ids = self._gpu_ids.get(lease_id, {}).get(index)
-        if ids is not None:
-            out["gpu_ids"] = ids
-        return out
 
     # ---------------------------------------------------------------- placement groups
     def _create(self, lease: Lease) -> None:
@@ -271,47 +229,11 @@ class RayInventory(Inventory):
             with self._lock:
                 if self._pgs.get(lease_id) is pg and self._pg_state.get(lease_id) == "pending":
                     self._pg_state[lease_id] = "ready"  # seen by the next view; the tick logs it
-            try:
-                self._asker.submit(self._learn_ids, lease_id, pg)
-            except RuntimeError:  # closed
-                pass
 
         try:
             pg.ready().future().add_done_callback(placed)
         except Exception:  # the tick's pg.wait(0) still finds out
             log.debug("Lease %s: no readiness callback", lease_id, exc_info=True)
-
-    def _learn_ids(self, lease_id: str, pg: Any) -> None:
-        """(Off Ray's callback thread, once the group is placed.) One task per bundle in the group, as a kernel would
-        ask (``ray_ids``); each answer is stored under the lock as it comes and shown by the next view."""
-        try:
-            specs = pg.bundle_specs
-            pgid = pg.id.hex()
-        except Exception:
-            log.debug("Lease %s: the group's bundles are unknown", lease_id, exc_info=True)
-            return
-        for index, spec in enumerate(specs):
-            gpus = float(spec.get("GPU", 0))
-            if not gpus:
-                continue
-
-            def learned(fut: Any, index: int = index, ref: Any = None) -> None:  # on a Ray thread
-                with self._lock:
-                    self._asking.get(lease_id, set()).discard(ref)
-                    if fut.exception() is None and self._pgs.get(lease_id) is pg:
-                        self._gpu_ids.setdefault(lease_id, {})[index] = str(fut.result())
-                if fut.exception() is not None:
-                    log.debug("Lease %s: bundle %d's GPU IDs: %s", lease_id, index, fut.exception())
-
-            try:
-                with self._lock:  # not while its group is being removed (_remove waits for these)
-                    if self._pgs.get(lease_id) is not pg:
-                        return
-                    ref = self._ids().options(num_gpus=0, resources=group_resources(index, pgid, gpus)).remote()
-                    self._asking.setdefault(lease_id, set()).add(ref)
-                ref.future().add_done_callback(functools.partial(learned, index=index, ref=ref))
-            except Exception:  # the view goes without them; a kernel asks itself
-                log.debug("Lease %s: asking bundle %d's GPU IDs failed", lease_id, index, exc_info=True)
 
     def _find(self, lease_id: str) -> Any:
         from ray.util import get_placement_group
@@ -322,41 +244,21 @@ class RayInventory(Inventory):
             return None
 
     def _remove(self, lease_id: str) -> None:
+        from ray.util import remove_placement_group
+
         with self._lock:
             pg = self._pgs.pop(lease_id, None)
             self._pg_state.pop(lease_id, None)
-            self._gpu_ids.pop(lease_id, None)
-            asking = self._asking.pop(lease_id, set())
             self._pg_since.pop(lease_id, None)
             self._logged.discard(lease_id)
         if pg is None:
             pg = self._find(lease_id)
-        if pg is None:
-            return
-        if asking:  # after the GPU-ID tasks still running in the group (Ray 2.60's raylet aborts otherwise)
+        if pg is not None:
             try:
-                self._asker.submit(self._remove_group, lease_id, pg, list(asking))
-                return
-            except RuntimeError:  # closed
-                pass
-        self._remove_group(lease_id, pg)
-
-    def _remove_group(self, lease_id: str, pg: Any, asking: list[Any] | None = None) -> None:
-        """Remove a lease's group; ``asking``: its GPU-ID tasks still running, waited for first (a few ms; 5 s at
-        most): removing a group while a task holds its resources by name made Ray 2.60's raylet abort ("Bundle
-        resources are still in use"), and the node with it."""
-        from ray.util import remove_placement_group
-
-        if asking:
-            try:
-                self._connect().wait(asking, num_returns=len(asking), timeout=5.0)
-            except Exception:
-                log.debug("Lease %s: waiting for its GPU-ID tasks", lease_id, exc_info=True)
-        try:
-            remove_placement_group(pg)
-            log.info("Lease %s: placement group %s removed", lease_id, pg_name(lease_id))
-        except Exception as e:  # already gone
-            log.debug("Lease %s: removing placement group: %s", lease_id, e)
+                remove_placement_group(pg)
+                log.info("Lease %s: placement group %s removed", lease_id, pg_name(lease_id))
+            except Exception as e:  # already gone
+                log.debug("Lease %s: removing placement group: %s", lease_id, e)
 
     def _by_id(self) -> dict[str, GPU]:
         return self._reported or {g.id: g for g in self._gpus}
@@ -456,7 +358,6 @@ class RayInventory(Inventory):
 
     def close(self) -> None:
         """Disconnect; the detached groups of holding leases stay for the next broker to find."""
-        self._asker.shutdown(wait=True)  # a group's removal waiting for its GPU-ID tasks (seconds at most) first
         if self._ray is not None and self._owns_ray:
             try:
                 self._ray.shutdown()

@@ -109,10 +109,6 @@ def test_ray_warm_first_cell_on_a_node_borrows_the_warm_worker_too(
         assert second["actor_pid"] == first["actor_pid"]  # both lent by the node's warm actor
         assert second["pid"] != first["pid"]
         assert waiting.process_alive(first["actor_pid"])
-        # the GPU IDs came from the lease view (the broker's): the kernel never ran a GPU-ID task of its own, so its
-        # first cell started one Ray worker process on the node (the warm actor), not two
-        asked = k.run("get_ipython().magics_manager.registry['GpuMagics'].executors['ray']._warm._gpu_ids is None")
-        assert asked.result == "True", asked.outputs
 
 
 def test_ray_warm_second_cell_borrows_the_prestarted_worker(kernel: Any, client: BrokerClient) -> None:
