@@ -22,6 +22,16 @@ def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "", inter
         time.sleep(interval)
 
 
+def holds_for(cond: Callable[[], object], seconds: float, what: str = "", interval: float = 0.1) -> None:
+    """``cond()`` stays truthy for ``seconds`` (a thing that must NOT happen, watched as long as it would take to
+    show); AssertionError naming ``what`` the first time it is not."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not cond():
+            raise AssertionError(f"no longer true: {what or 'the condition'}")
+        time.sleep(interval)
+
+
 async def wait_until(cond: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.005) -> T:
     """:func:`wait_for` inside a test's event loop: the loop runs (the broker's work goes on) between tries."""
     deadline = time.monotonic() + timeout

@@ -281,6 +281,18 @@ def gpu_ids() -> str:
     return ",".join(str(i) for i in ray.get_gpu_ids())
 
 
+def in_bundle(task: Any, pg: Any, bundle: int, gpus: float) -> Any:
+    """``task`` (a Ray remote function) asked to run in bundle ``bundle`` of the lease's group ``pg`` with its
+    ``gpus``, run once. As Ray places tasks in a group, never by the group's resource names (``GPU_group_0_<id>``),
+    which Ray does not tie to the bundle: Ray 2.60's raylet aborts (the node dies) when a group is removed while a
+    task asked that way runs; asked this way, a lease that ends meanwhile stops the task, as any task in its group
+    (tests/broker/inventory/test_ray_warm.py)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return task.options(num_gpus=gpus, max_retries=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
+
+
 class RayStartError(RuntimeError):
     """The worker could not be started on the lease's node; the message says why and the fix."""
 
@@ -376,7 +388,7 @@ class WarmActors:
             self._gpu_ids = ray.remote(num_cpus=0)(gpu_ids)
         return self._gpu_ids
 
-    def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg_id: str, python: str, env: dict[str, str],
+    def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg: Any, python: str, env: dict[str, str],
              start_timeout: float, call_timeout: float) -> tuple[Any, dict[str, Any]] | None:
         """(actor, its claim's info) for a cell of the lease: the node's warm worker, lent with the GPU IDs Ray
         assigned in the lease's group; None where it cannot be (no such node, busy, or its actor failed: then it
@@ -387,17 +399,16 @@ class WarmActors:
             actor = self._actors.get(key)
         if actor is None:
             return None
-        # which of the node's GPUs the group holds: a task holding the bundle's GPUs, named as Ray names a group's
-        # resources (what PlacementGroupSchedulingStrategy asks for), so that it runs in the idle worker ``start``
-        # made (Ray 2.60 did not give that worker to the same task asked with num_gpus: a new Ray worker, 2-3 s)
-        gpus = float(placement["bundles"][bundle].get("gpus", 1))
-        ids = self._task().options(num_gpus=0, resources={f"GPU_group_{bundle}_{pg_id}": gpus,
-                                                          f"GPU_group_{pg_id}": gpus}).remote()
-        timeout = call_timeout if key in self._answered else start_timeout
+        # which of the node's GPUs the group holds: a task in the lease's bundle (Ray sets its GPU IDs), run by the
+        # idle worker ``start`` made
+        ids = in_bundle(self._task(), pg, bundle, float(placement["bundles"][bundle].get("gpus", 1))).remote()
         try:
             visible = ray.get(ids, timeout=start_timeout)
+        except Exception:  # the group is gone (the lease ended) or its node does not answer: the cell's own actor
+            return None    # in the group says which
+        try:
             info: dict[str, Any] = ray.get(actor.claim.remote(placement["placement_group_id"], visible),
-                                           timeout=timeout)
+                                           timeout=call_timeout if key in self._answered else start_timeout)
         except Exception:
             self._forget(ray, key, actor)
             return None
@@ -467,7 +478,7 @@ class RayWorker(RelayedWorker):
         if warm is not None and not session:  # the node's warm actor, started at the kernel's first cell there
             warm.start(ray, node, python or sys.executable, env, placement.get("namespace"))
         lent = None if warm is None or session else warm.lend(
-            ray, placement, bundle, pg.id.hex(), python or sys.executable, env, start_timeout, call_timeout)
+            ray, placement, bundle, pg, python or sys.executable, env, start_timeout, call_timeout)
         if lent is not None:
             self.actor, self.info = lent[0], lent[1]
             self._claim = int(self.info.get("claim") or 0)

@@ -88,14 +88,47 @@ def _gpu_ids_of(group_hex: str, gpus: float) -> list[str]:
     import ray
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from jupyter_gpulease.executors.ray import gpu_ids
+    from jupyter_gpulease.executors.ray import gpu_ids, in_bundle
 
     pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group_hex)))
-    task = ray.remote(num_cpus=0)(gpu_ids).options(
-        num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
-    return str(ray.get(task.remote(), timeout=T)).split(",")
+    return str(ray.get(in_bundle(ray.remote(num_cpus=0)(gpu_ids), pg, 0, gpus).remote(), timeout=T)).split(",")
+
+
+def test_ray_warm_lease_ended_while_a_task_runs_in_its_group_leaves_the_node_alive(
+    client: BrokerClient, tmp_path: Path
+) -> None:
+    """The kernel asks a lease's group for its GPU IDs with a task in the group (``in_bundle``); a lease revoked while
+    such a task runs stops the task, and the node's raylet lives on (asked by the group's resource names instead,
+    Ray 2.60's raylet aborted and the node died)."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    from jupyter_gpulease.executors.ray import in_bundle
+
+    def slow_gpu_ids(started: str, seconds: float) -> str:  # by value: Ray's workers cannot import this module
+        import pathlib
+        import time
+
+        from jupyter_gpulease.executors.ray import gpu_ids
+
+        pathlib.Path(started).touch()
+        time.sleep(seconds)
+        return gpu_ids()
+
+    lease = _placed(client, client.request_lease(1, wait=T))
+    group = lease["placement"]["placement_group_id"]
+    pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group)))
+    started = tmp_path / "started"
+    task = in_bundle(ray.remote(num_cpus=0)(slow_gpu_ids), pg, 0, 1).remote(str(started), 30)
+    wait_for(started.exists, what="the task in the group to run")
+    client.revoke(lease["id"], "test")
+    with pytest.raises(Exception):  # noqa: B017 (Ray's error for a task of a removed group varies by cause)
+        ray.get(task, timeout=T)
+    node = lease["placement"]["bundles"][0]["node"]
+    waiting.holds_for(lambda: all(n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == node), seconds=3,
+                      what=f"node {node} alive (Ray marks a dead raylet's node dead within 2 s here)")
 
 
 def test_ray_warm_first_cell_on_a_node_borrows_the_warm_worker_too(
