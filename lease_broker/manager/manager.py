@@ -32,7 +32,7 @@ from ..core.lease import (
     renewal_seconds,
 )
 from ..core.lease_use import LeaseUse
-from ..core.scheduler import Pending, schedule
+from ..core.scheduler import Grant, Pending, schedule
 from ..host.procs import same_process
 from ..inventory import Inventory
 from ..policy.lease_policy import LeasePolicy
@@ -47,6 +47,7 @@ from .estimates import Estimates
 from .events import EventBus
 from .gpu_summary import GpuSummary
 from .holders import Holders
+from .holds import Holds
 from .planning import Planning, WarmRegrants, resumed
 from .policy_admin import PolicyAdmin
 from .preemption import Preemption
@@ -82,7 +83,9 @@ class LeaseManager:
         self.reservations = Reservations(state=state, ops=self, policy=policy, store=admin, enforcer=self.enforcer,
                                          now=now)
         self.preemption = Preemption(state=state, ops=self, policy=policy, enforcer=self.enforcer,
-                                     reservations=self.reservations, plan=lambda: self.planning.plan)
+                                     reservations=self.reservations, plan=lambda: self.planning.plan,
+                                     kept=lambda: self.holds.kept())
+        self.holds = Holds(state=state, ops=self, policy=policy, may_suspend=self.preemption.may_suspend)  # kept GPUs
         self.quotas = Quotas(state=state, policy=policy, store=admin, reservations=self.reservations,
                              enforcer=self.enforcer)
         self.accounting = Accounting(state=state, policy=policy, store=admin)  # past use: fair share, reports
@@ -512,22 +515,23 @@ class LeaseManager:
             self.planning.select(now)  # keeps the full passes' rhythm
             self.state.planned, self.state.waiting = {}, {}
             return 0
+        granted = 0
+        for kept_pending, kept_slots in self.holds.passes(lambda: self.enforcer.slot_index(now), now):
+            # (a suspended lease's kept GPUs: its resume, then its borrowers, alone on them: holds.py)
+            kept = schedule(kept_pending, kept_slots, self.state.table.held_by_user, now=now,
+                            **{**self.planning.options(now, []), "plan": None, "all_exclusive": False})
+            for grant in kept.grants:
+                self._grant(self.leases[grant.lease_id], grant, now)
+            granted += len(kept.grants)
         pending, full = self.planning.select(now)
-        decision = schedule(pending, self.enforcer.slot_index(now), self.state.table.held_by_user, now=now,
-                            **self.planning.options(now, growable))
+        decision = schedule(self.holds.others(pending), self.holds.hide(self.enforcer.slot_index(now)),
+                            self.state.table.held_by_user,
+                            now=now, **self.planning.options(now, growable))
         self.planning.plan = decision.plan
         self.state.planned = dict(decision.planned_start) if full else {**self.state.planned, **decision.planned_start}
         self.state.waiting.update(decision.waiting)  # (a request leaves it as it leaves the queue: commit)
         for grant in decision.grants:
-            lease = self.leases[grant.lease_id]
-            if lease.state == LeaseState.SUSPENDED:  # a suspended lease resumes (planning.resumed: the one change)
-                self.commit(lease, resumed(lease, grant, now))
-                self.group.after(functools.partial(self.inventory.on_grant, lease, now))
-                continue
-            self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,
-                                      node=grant.node, granted_at=now, expires_at=now + lease.duration_seconds,
-                                      last_activity=now, last_heartbeat=max(lease.last_heartbeat, now)))
-            self.group.after(functools.partial(self.inventory.on_grant, lease, now))
+            self._grant(self.leases[grant.lease_id], grant, now)
         for grant in decision.grown:
             lease = self.leases[grant.lease_id]
             devices = (*lease.devices, *grant.gpu_ids)
@@ -536,8 +540,19 @@ class LeaseManager:
                                       event="grown"))
             log.info("Lease %s of %s grew to %d GPUs (of %d): +%s", lease.id, lease.user, len(devices),
                      lease.request.max_gpus, ",".join(grant.gpu_ids))
+        self.holds.run(now)
         self.preemption.run(now)
-        return len(decision.grants)
+        return granted + len(decision.grants)
+
+    def _grant(self, lease: Lease, grant: Grant, now: float) -> None:
+        """Commit a pass's grant: a queued request is granted, a suspended lease resumes (``resumed``)."""
+        if lease.state == LeaseState.SUSPENDED:  # a suspended lease resumes (planning.resumed: the one change)
+            self.commit(lease, resumed(lease, grant, now))
+        else:
+            self.commit(lease, Change(state=LeaseState.GRANTED, reason="granted", devices=grant.gpu_ids,
+                                      node=grant.node, granted_at=now, expires_at=now + lease.duration_seconds,
+                                      last_activity=now, last_heartbeat=max(lease.last_heartbeat, now)))
+        self.group.after(functools.partial(self.inventory.on_grant, lease, now))
 
     # ------------------------------------------------------------------ time
     def tick(self) -> None:

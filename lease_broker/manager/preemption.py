@@ -18,7 +18,8 @@ queue are withdrawn (``suspend_withdrawn``) before their holders suspend for not
 in time is revoked as without suspension (the enforcer's fallback). Leases that cannot be suspended are taken only
 as ``preempt_grace_seconds`` says. With ``suspend_spare_gangs``, no lease holding a GPU of the latest pass's
 reservation (``Planning.plan``) of a bigger request that has waited ``suspend_yield_after_seconds`` is asked
-(``spared``): the small request would take the freed GPU and the victim's resume would push the gang back.
+(``spared``): the small request would take the freed GPU and the victim's resume would push the gang back. With
+``suspend_keep_gpus``, no suspension takes a GPU that a suspended gang keeps (``kept``: ``holds.py``).
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ class Preemption:
     """Warnings given to leases that a blocked request of a higher class will take GPUs from."""
 
     def __init__(self, *, state: LiveState, ops: LeaseOps, policy: LeasePolicy, enforcer: Enforcer,
-                 reservations: Reservations, plan: Callable[[], Mapping[str, Reservation]]) -> None:
+                 reservations: Reservations, plan: Callable[[], Mapping[str, Reservation]],
+                 kept: Callable[[], Mapping[str, str]] = dict) -> None:
         self.state, self.ops, self.policy = state, ops, policy
         self.enforcer, self.reservations = enforcer, reservations
         self.plan = plan  # the latest pass's reservations for blocked requests (``Planning.plan``)
+        #: GPUs suspended gangs keep (``Holds.kept``): no suspension frees them (idle ones are lent in their own pass;
+        #: their borrowers are not suspended for others)
+        self.kept = kept
         #: holding leases with a warning: an index of ``Lease.preempting``, in the order they were warned (a dict: a
         #: set of lease ids would revoke victims whose grace ends in the same tick in the order of their random ids)
         self.warned: dict[str, None] = {}
@@ -154,7 +159,7 @@ class Preemption:
                 p.request.fraction if p.request.shared else need) > cap:
             return None  # waiting on its own cap: suspending others would not help
         aliases = self.policy.gpu_type_aliases()
-        blocked = self._blocked(p, now) | self.spared(need, now)
+        blocked = self._blocked(p, now) | self.spared(need, now) | self.kept().keys()
         usable = {g.id for g in self.state.gpus if g.id not in blocked and not g.mig and fits(g, p.request, aliases)}
         held = {d for lease in self.state.holding() for d in lease.devices}
         groups: dict[str, set[str]] = {}

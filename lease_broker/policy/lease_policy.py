@@ -347,6 +347,30 @@ class LeasePolicy(Configurable):
         "the queue (else whoever is first in queue order takes them, often a gang whose reservation they complete, "
         "and the request asks again). Example: True.",
     )
+    suspend_keep_gpus = Enum(
+        ["off", "asker", "small"],
+        default_value="off",
+        config=True,
+        help="With preempt_mode 'suspend': a gang (suspend_keep_min_gpus) suspended by preemption for a request keeps "
+        "its GPUs: they are lent only to that request ('asker'), or also to other requests that may suspend others "
+        "('small'), and it resumes on them, before anyone else, as soon as they are free again (or at "
+        "suspend_keep_max_seconds); nobody else is granted or planned on them meanwhile. 'off': its GPUs go to the "
+        "queue and it resumes when GPUs of its model are free. Example: 'small'.",
+    )
+    suspend_keep_min_gpus = Integer(
+        2,
+        config=True,
+        help="With suspend_keep_gpus: only a lease of at least this many GPUs (and more than suspend_max_gpus) keeps "
+        "them when it is suspended; smaller victims give theirs to the queue. Example: 8.",
+    )
+    suspend_keep_max_seconds = Float(
+        0.0,
+        config=True,
+        help="With suspend_keep_gpus: a gang keeping its GPUs takes them back this many seconds after its "
+        "suspension: the leases it lent them to are asked to suspend (they resume when GPUs of their model are free; "
+        "one that cannot suspend borrows only if its time limit ends by then). 0: it resumes when they end, and "
+        "only requests whose time limit ends before it could resume borrow. Example: 60.",
+    )
     suspend_yield_after_seconds = Float(
         0.0,
         config=True,

@@ -93,8 +93,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         however deep the queue: a pass over the whole queue, in the same order and on the same GPUs, would not
         grant it either."""
         m, now = self.m, self.clock.now()
-        pending = list(m.state.queue)
-        decision = schedule(pending, m.enforcer.slot_index(now), m.state.table.held_by_user, now=now,
+        pending = list(m.holds.others(m.state.queue))  # (GPUs a suspended gang keeps are its own: holds.py)
+        decision = schedule(pending, m.holds.hide(m.enforcer.slot_index(now)), m.state.table.held_by_user, now=now,
                             **m.planning.options(now, m.planning.growable(now)))
         assert lease.id not in {g.lease_id for g in decision.grants}, (lease.id, lease.request, len(pending))
 
@@ -370,12 +370,15 @@ class SuspendMachine(SchedulerMachine):
 
     SUSPENDABLE = True
 
-    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]), asker=st.booleans())
-    def start(self, nodes: int | str, asker: bool = False) -> None:
+    @initialize(nodes=st.sampled_from([1, 2, "1x4:A100-40GB,1x2:H100"]), asker=st.booleans(),
+                keep=st.sampled_from(["off", "asker", "small"]), keep_max=st.sampled_from([0.0, 120.0]))
+    def start(self, nodes: int | str, asker: bool = False, keep: str = "off", keep_max: float = 0.0) -> None:
         super().start(nodes)
+        self.policy.suspend_keep_gpus = keep  # (a gang suspended for a request keeps its GPUs: holds.py)
+        self.policy.suspend_keep_max_seconds = keep_max
         self.policy.preempt_mode = "suspend"
         self.policy.suspend_grant_asker = asker  # (the freed GPUs go to the request suspended for, first)
-        self.policy.suspend_max_gpus = 2
+        self.policy.suspend_max_gpus = 2 if keep == "off" else 1  # (keeping: victims of 2 GPUs or more are gangs)
         self.policy.suspend_min_runtime_seconds = MIN_RUNTIME
         self.policy.suspend_max_share = MAX_SHARE
         self.policy.suspend_max_seconds = SUSPEND_MAX
@@ -420,6 +423,21 @@ class SuspendMachine(SchedulerMachine):
             self.model_of[lease.id] = model
         self.m.schedule()
 
+    @precondition(lambda self: self.policy.suspend_keep_gpus != "off")
+    @rule(gang=st.sampled_from(USERS), cell=st.sampled_from(USERS), gpus=st.sampled_from(["2", "3", "4"]))
+    def a_gang_then_a_cell(self, gang: Identity, cell: Identity, gpus: str) -> None:
+        """A suspendable gang, then (past the minimum runtime) a short 1-GPU cell that may suspend it: what makes a
+        gang keep its GPUs (``suspend_keep_gpus``), which the machine's random requests seldom line up."""
+        for who, body in ((gang, {"gpus": gpus, "duration_seconds": 3600}), (cell, {"gpus": "1", "duration_seconds": 300})):
+            try:
+                lease, _ = self.m.request(who, {**body, "suspendable": True, "priority": "normal"})
+            except LeaseError as e:
+                assert e.status_code in (400, 403), e.message
+                return
+            if lease.state == LeaseState.QUEUED:
+                self._could_not_start(lease)
+            self.advance(MIN_RUNTIME)
+
     @precondition(lambda self: any(x.state == LeaseState.SUSPENDED and not x.suspension.resume
                                    for x in self.m.leases.values()))
     @rule(data=st.data())
@@ -452,6 +470,21 @@ class SuspendMachine(SchedulerMachine):
             assert now - since <= SUSPEND_MAX + SLACK, (lid, now - since)
 
     @invariant()
+    def kept_gpus_are_lent_only_to_small_requests(self) -> None:
+        """A GPU a suspended gang keeps (``suspend_keep_gpus``) is held by nobody, or by a request that may suspend
+        others (the asker itself in 'asker' mode)."""
+        if not hasattr(self, "m"):
+            return
+        kept = self.m.holds.kept()
+        for lease in self.m.state.holding():
+            keepers = {kept[d] for d in lease.devices if d in kept}
+            for kid in keepers:
+                assert self.m.preemption.may_suspend(lease), (lease.id, kid)
+                s = self.m.leases[kid].suspension
+                if self.policy.suspend_keep_gpus == "asker":
+                    assert s is not None and s.by_lease == lease.id, (lease.id, kid)
+
+    @invariant()
     def preemption_asks_only_whom_it_may(self) -> None:
         """The starvation bound and the victim rules, checked on every pending ask of a preemption."""
         if not hasattr(self, "m"):
@@ -462,6 +495,9 @@ class SuspendMachine(SchedulerMachine):
             if s is None or s.why != "preempted" or s.suspended:
                 continue
             assert lease.request.suspendable
+            if not s.by_lease:  # a gang that kept its GPUs takes them back from a borrower: no victim rule applies
+                assert self.policy.suspend_keep_max_seconds and self.policy.suspend_keep_gpus != "off", lease.id
+                continue
             assert s.asked_at - (lease.granted_at or 0.0) >= MIN_RUNTIME - EPS, (lease.id, s)
             assert lease.suspended_seconds <= MAX_SHARE * (s.asked_at - lease.created_at) + EPS, (lease.id, s)
             by = self.m.leases.get(s.by_lease)
