@@ -524,9 +524,8 @@ class LeaseManager:
                 self._grant(self.leases[grant.lease_id], grant, now)
             granted += len(kept.grants)
         pending, full = self.planning.select(now)
-        decision = schedule(self.holds.others(pending), self.holds.hide(self.enforcer.slot_index(now)),
-                            self.state.table.held_by_user,
-                            now=now, **self.planning.options(now, growable))
+        decision = self.planning.decide(self.holds.others(pending), full, self.holds.hide(self.enforcer.slot_index(now)),
+                                        self.state.table.held_by_user, now, growable)
         self.planning.plan = decision.plan
         self.state.planned = dict(decision.planned_start) if full else {**self.state.planned, **decision.planned_start}
         self.state.waiting.update(decision.waiting)  # (a request leaves it as it leaves the queue: commit)
