@@ -6,29 +6,13 @@ long), through the real LeaseManager on a virtual clock and an in-memory store."
 from __future__ import annotations
 
 import pytest
+from suspension_setup import ALICE, BOB, CAROL, DAVE, report_suspended, suspending_manager
 
-from lease_broker.core.clock import VirtualClock
-from lease_broker.core.identity import Identity
 from lease_broker.core.lease import LeaseState
-from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.manager.manager import LeaseManager
-from lease_broker.policy.lease_policy import LeasePolicy
-from lease_broker.store.lease_store import Store
-
-ALICE = Identity("alice", uid=1001)
-BOB = Identity("bob", uid=1002)
-CAROL = Identity("carol", uid=1003)
-DAVE = Identity("dave", uid=1004)
 
 
 def make(**policy):
-    clock = VirtualClock()
-    pol = LeasePolicy(**{"heartbeat_timeout": 1e9, "default_idle_timeout_seconds": 0, "unix_groups": False,
-                         "preempt_mode": "suspend", "suspend_min_runtime_seconds": 0.0, "suspend_max_gpus": 1,
-                         **policy})
-    m = LeaseManager(Store(":memory:"), SimulatedInventory(gpus=4, nodes=1), pol, clock=clock)
-    m.restore()
-    return m, clock
+    return suspending_manager(4, 1, **{"suspend_max_gpus": 1, **policy})
 
 
 def grant(m, clock, who, gpus, duration):
@@ -51,7 +35,7 @@ def suspend_for_a_cell(m, clock):
     clock.advance(10)
     cell, _ = m.request(CAROL, {"gpus": 1, "duration_seconds": 600})
     assert asked(m) == {small.id}
-    m.suspended(small.id, Identity(small.user, uid=small.uid), {"ok": True, "how": "stop"})
+    report_suspended(m, small)
     assert small.state == LeaseState.SUSPENDED and cell.state == LeaseState.GRANTED
     clock.advance(300)
     m.release(cell.id, CAROL)

@@ -6,40 +6,19 @@ to suspend). Through the real LeaseManager on a virtual clock and an in-memory s
 from __future__ import annotations
 
 import pytest
+from suspension_setup import ALICE, BOB, CAROL, DAVE, ERIN, report_suspended, suspending_manager
 
-from lease_broker.core.clock import VirtualClock
-from lease_broker.core.identity import Identity
 from lease_broker.core.lease import LeaseState
-from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.manager.manager import LeaseManager
-from lease_broker.policy.lease_policy import LeasePolicy
-from lease_broker.store.lease_store import Store
-
-ALICE = Identity("alice", uid=1001)
-BOB = Identity("bob", uid=1002)
-CAROL = Identity("carol", uid=1003)
-DAVE = Identity("dave", uid=1004)
-ERIN = Identity("erin", uid=1005)
 
 
 def make(**policy):
-    clock = VirtualClock()
-    pol = LeasePolicy(**{"heartbeat_timeout": 1e9, "default_idle_timeout_seconds": 0, "unix_groups": False,
-                         "preempt_mode": "suspend", "suspend_min_runtime_seconds": 0.0, "suspend_max_gpus": 1,
-                         "suspend_max_duration_seconds": 3600.0, **policy})
-    m = LeaseManager(Store(":memory:"), SimulatedInventory(gpus=8, nodes=2), pol, clock=clock)
-    m.restore()
-    return m, clock
+    return suspending_manager(8, 2, **{"suspend_max_gpus": 1, "suspend_max_duration_seconds": 3600.0, **policy})
 
 
 def request(m, clock, who, gpus, duration, suspendable=True):
     lease, _ = m.request(who, {"gpus": gpus, "duration_seconds": duration, "suspendable": suspendable})
     clock.advance(10)
     return lease
-
-
-def report_suspended(m, lease) -> None:
-    m.suspended(lease.id, Identity(lease.user, uid=lease.uid), {"ok": True, "how": "stop"})
 
 
 def gang_suspended_for_a_cell(m, clock):

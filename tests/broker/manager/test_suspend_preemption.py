@@ -7,36 +7,17 @@ requests of its class, only on GPUs of its model, its own when free, its time li
 from __future__ import annotations
 
 import pytest
+from suspension_setup import ALICE, BOB, CAROL, DAVE, report_suspended, suspending_manager
 
-from lease_broker.core.clock import VirtualClock
-from lease_broker.core.identity import Identity
 from lease_broker.core.lease import HOLDING, LeaseRequest, LeaseState
 from lease_broker.core.pass_types import Pending
 from lease_broker.core.queue import Queue
-from lease_broker.inventory.simulated import SimulatedInventory
-from lease_broker.manager.manager import LeaseManager
 from lease_broker.manager.preemption import fewest_gpus
-from lease_broker.policy.lease_policy import LeasePolicy
-from lease_broker.store.lease_store import Store
-
-ALICE = Identity("alice", uid=1001)
-BOB = Identity("bob", uid=1002)
-CAROL = Identity("carol", uid=1003)
-DAVE = Identity("dave", uid=1004)
 
 
 @pytest.fixture
 def make():
-    def _make(gpus=4, nodes=1, cluster="", **policy):
-        clock = VirtualClock()
-        pol = LeasePolicy(**{"heartbeat_timeout": 1e9, "default_idle_timeout_seconds": 0, "unix_groups": False,
-                             "preempt_mode": "suspend", "suspend_min_runtime_seconds": 0.0, **policy})
-        inv = SimulatedInventory(cluster=cluster) if cluster else SimulatedInventory(gpus=gpus, nodes=nodes)
-        m = LeaseManager(Store(":memory:"), inv, pol, clock=clock)
-        m.restore()
-        return m, clock
-
-    return _make
+    return suspending_manager
 
 
 def long_lease(m, clock, who, gpus=1, priority="normal", after=10.0, **more):
@@ -45,11 +26,6 @@ def long_lease(m, clock, who, gpus=1, priority="normal", after=10.0, **more):
     assert lease.state == LeaseState.GRANTED, lease.state
     clock.advance(after)
     return lease
-
-
-def report_suspended(m, lease) -> None:
-    """Its holder reports its processes suspended (``POST .../suspended``), as a kernel does once asked."""
-    m.suspended(lease.id, Identity(lease.user, uid=lease.uid), {"ok": True, "how": "stop"})
 
 
 def lease_events(m, change):
