@@ -184,6 +184,12 @@ def _connected() -> tuple[slurm_bulk.Channel, slurm_bulk.Channel]:
     return kernel_end, got[0]
 
 
+def _given_back(client: BrokerClient) -> None:
+    """Wait until the kernel's last cell gave its lease back (the kernel does that after the cell's reply): else a
+    2-GPU cell goes to n1, which then has the free GPUs, not to n2 (the node without the shared root)."""
+    wait_for(lambda: all(v["state"] in ENDED for v in client.leases()), what="the last cell's lease given back")
+
+
 WRITE = ("%%gpu 2\nimport os\nos.makedirs(os.path.join(os.environ['GPULEASE_ARTIFACTS'], 'ckpt'))\n"
          "open(os.path.join(os.environ['GPULEASE_ARTIFACTS'], 'ckpt', 'model.pt'), 'w').write('weights')\n")
 
@@ -191,6 +197,7 @@ WRITE = ("%%gpu 2\nimport os\nos.makedirs(os.path.join(os.environ['GPULEASE_ARTI
 def test_unshared_root_files_the_cell_wrote_come_back_to_the_artifact_directory(kernel: Any, client: BrokerClient,
                                                                                 hidden: str) -> None:
     seen = {v["id"] for v in client.leases(ended=100)}
+    _given_back(client)
     r = kernel.run(WRITE, timeout=T * 2)
     assert r.status == "ok", (r.outputs, r.reply)
     lease = next(v for v in client.leases(ended=100) if v["id"] not in seen)
@@ -205,6 +212,7 @@ def test_unshared_root_files_the_cell_wrote_come_back_to_the_artifact_directory(
 def test_unshared_root_too_many_files_stay_named_with_the_node_and_the_fix(kernel: Any, client: BrokerClient,
                                                                            hidden: str) -> None:
     assert kernel.run("%env GPULEASE_FILES_BACK_MAX=3").status == "ok"
+    _given_back(client)
     try:
         r = kernel.run(WRITE, timeout=T * 2)
     finally:
@@ -218,6 +226,7 @@ def test_unshared_root_session_parking_fails_at_once_in_one_line(kernel: Any, cl
                                                                 hidden: str) -> None:
     """A session on a node without the shared root cannot park (its state would stay on the node): said when the
     session starts, in one line naming the node, the path and the fix; the session itself runs."""
+    _given_back(client)
     r = kernel.run("%%gpu 2 --session far\nmodel = [1, 2]\nprint(len(model))", timeout=T * 2)
     try:
         assert r.status == "ok", (r.outputs, r.reply)
