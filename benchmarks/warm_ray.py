@@ -6,7 +6,9 @@ broker with ``--inventory=ray``, real kernels (tests/kernels.py) that join the c
 peers run in the same kernel, round by round with the ``%%gpu`` cells (drift hits them all alike): ipyparallel's
 trivial ``%%px`` on one warm engine (benchmarks/cell_peers.py), and a call of a warm Ray actor on the same cluster
 (what a cell could at best cost through Ray). A kernel's first Ray cell is timed in a new kernel each time (Ray's
-driver connection, the lease, the node's warm actor and the idle Ray worker for its GPU-ID task), and the CPU an
+driver connection, the lease, a worker of the node's warm host; the GPU IDs of the lease's group come from the lease
+view, which the broker fills once the group is placed); apart from it, the first cell of the first kernel on the new
+cluster, which starts the node's warm host (shared by every later kernel: executors/ray.py, WarmHost), and the CPU an
 ``import ray`` costs a fresh Python (each Ray worker process's start) against the kernel's (its IRI grammar deferred)
 and a Ray worker's of a node started with the site directory (executors/ray_lazy_import.py). Then, on a second
 cluster whose raylets have that directory first on PYTHONPATH (the admin guide's deployment), a kernel's first and
@@ -112,6 +114,7 @@ def _site_firsts(tmp: str, firsts: int, samples: dict[str, list[float]]) -> None
                     "--inventory=ray", f"--RayInventory.address={c.address}", f"--RayInventory.node_ip={HEAD}",
                     "--tick=0.1", "--LeasePolicy.heartbeat_timeout=0"], env=c.env).start(timeout=120)
                 env = {**c.env, "GPULEASE_RAY_NODE_IP": HEAD}
+                _first_two(Kernel(broker.url, os.path.join(tmp, "artifacts-site-host"), env), samples, "site_host_")
                 for i in range(firsts):
                     _first_two(Kernel(broker.url, os.path.join(tmp, f"artifacts-site{i}"), env), samples, "site_")
             finally:
@@ -158,6 +161,8 @@ def run(opts: Any) -> list[Figure]:
                     return Kernel(broker.url, os.path.join(tmp, f"artifacts-{name}"),
                                   {**env, **cell_peers.env(ipython)})
 
+                # the first kernel on the cluster: its first cell there starts the node's warm host
+                _first_two(new_kernel("host"), samples, "host_")
                 for i in range(firsts):  # a kernel's first Ray cell: a new kernel each time
                     _first_two(new_kernel(f"first{i}"), samples, "")
                     k = new_kernel(f"connected{i}")  # the same, once the kernel's start joined the cluster
@@ -167,7 +172,7 @@ def run(opts: Any) -> list[Figure]:
                     finally:
                         k.stop()
                 kernel = new_kernel("rounds")
-                _timed(kernel, "%%gpu 1\npass")  # the node's warm actor started, Ray's driver connected
+                _timed(kernel, "%%gpu 1\npass")  # Ray's driver connected
                 _timed(kernel, ACTOR_SETUP)
                 missing = cell_peers.start(kernel, [cell_peers.PX])
                 executor = "get_ipython().magics_manager.registry['GpuMagics'].executors['ray']"
@@ -212,13 +217,20 @@ def run(opts: Any) -> list[Figure]:
                "its second Ray %%gpu cell", samples["second"], bar=("median", "<=", 3000.0),
                note="a new kernel each sample, its first Ray cell right after its start (and one inline cell): it "
                     "waits for the kernel's background join of the Ray cluster (import ray, ray.init: "
-                    "RayExecutor.connect_early), takes a lease, starts the node's warm actor and an idle Ray worker "
-                    "for its GPU-ID task (two new Ray worker processes, each a new Python's import ray: the row "
-                    "below) and borrows the warm worker; the GPU nodes' Ray started plainly (`ray start`)."),
+                    "RayExecutor.connect_early), takes a lease and borrows a worker of the node's warm host, which an "
+                    "earlier kernel started (the next row) and this one finds by name: no Ray worker process of the "
+                    "kernel's own job (the GPU IDs of the lease's group come from the lease view, "
+                    "placement.bundles[i].gpu_ids, which the broker learns); the GPU nodes' Ray started plainly "
+                    "(`ray start`)."),
+        figure("the first kernel's first Ray %%gpu cell on a new cluster (it starts the node's warm host)", "ms",
+               samples["host_first"], "its second Ray %%gpu cell", samples["host_second"],
+               note="the first kernel on the cluster, once per node for the cluster's life (the host is detached and "
+                    "shared): its first cell starts the node's warm host (one new Ray worker process, a new Python's "
+                    "import ray: the import row below), then borrows its worker; the GPU nodes' Ray started plainly."),
         figure("a kernel's first Ray %%gpu cell, once the kernel joined the cluster", "ms", samples["connected"],
                "its first Ray %%gpu cell right after its start", samples["first"],
                note="a new kernel each sample, its first Ray cell once its background join of the cluster finished "
-                    "(polled): the lease, the node's warm actor and the GPU-ID task's Ray worker, the cell."),
+                    "(polled): the lease, a worker of the node's warm host, the cell."),
         figure("import ray in a fresh Python, CPU time", "ms", samples["import"],
                "the same, the kernel's way (the IRI grammar deferred)", samples["import_deferred"],
                note="user + system CPU of `python -c 'import ray'`: what every new Ray worker process (an actor, a "
@@ -231,6 +243,10 @@ def run(opts: Any) -> list[Figure]:
                note="as the first row, on a cluster whose raylets have `python -m "
                     "jupyter_gpulease.executors.ray_lazy_import` first on PYTHONPATH, as the admin guide's deployment "
                     "for Ray says (Multi-node with Ray): each Ray worker process starts without the IRI grammar."),
+        figure("the first kernel's first Ray %%gpu cell on a new cluster, its GPU nodes' Ray started with the site "
+               "directory", "ms", samples["site_host_first"], "its second Ray %%gpu cell", samples["site_host_second"],
+               note="as the row of the first kernel above, on the cluster with the site directory: the node's warm "
+                    "host starts without the IRI grammar."),
         figure("import ray in a fresh Python, CPU time", "ms", samples["import"],
                "the same, started with the Ray worker site directory first on PYTHONPATH", samples["import_site"],
                note="what each Ray worker process of a GPU node pays at its start when its `ray start` has "

@@ -9,10 +9,13 @@ messages and hands back its output as it comes (the kernel polls an actor method
 actor dies (the lease ended and the broker removed the group, or the kernel killed it), the
 worker's stdin closes and the worker kills its own process group.
 
-A single-use cell instead borrows a pre-started worker from the kernel's warm actor on the node (``WarmCell``,
-``RayExecutor.warm``): outside the group, with the GPU IDs Ray assigned in the group (a task there reports them),
-watching the group while the worker is lent and killing the worker's process group once the group is removed. A
-node's first cell starts the node's warm actor (``WarmActors``).
+A single-use cell instead borrows a pre-started worker from the node's warm host (``WarmHost``,
+``RayExecutor.warm``): a detached actor outside every group that all kernels share, started by the first kernel that
+needs it on the node and found by name by the others (``WarmActors``), so that a kernel's first cell there starts no
+Ray worker process of its own job (seconds of a new Python's ``import ray``). The worker runs with the GPU IDs Ray
+assigned in the lease's group, which the broker learns once the group is placed and the lease view carries
+(``placement.bundles[i].gpu_ids``; where absent, a task in the group: ``gpulease_protocol.ray_ids``); the host
+watches the group while the worker is lent and kills the worker's process group once the group is removed.
 
 Values over 1 MiB travel out of band as files in ``<lease artifact dir>/.oob`` where the node sees the
 kernel's artifact root (the marker check, ``base.RootCheck``); elsewhere through Ray's object store: in the
@@ -25,6 +28,7 @@ does not need it).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import queue
@@ -33,9 +37,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from traitlets import Bool, Unicode, default
+
+from gpulease_protocol.ray_ids import gpu_ids, in_bundle
 
 from ..wire import transfer
 from ..worker.env import sees_marker, worker_env
@@ -181,47 +189,75 @@ class CellProcess:
         return self._wait(timeout)
 
 
-#: how often a warm actor's lent worker checks that its lease's placement group still exists (seconds): the
-#: bound it adds to how soon a revoked or ended lease's cell is stopped (an actor in the group dies with it at once)
 WATCH_SECONDS = 0.1
+#: how long the host keeps a loan whose worker has exited and whose kernel has not called for it (a kernel that died
+#: with a worker lent: its lease's end stopped the worker, and nobody releases the loan)
+STALE_SECONDS = 60.0
+#: the host's calls as this package makes them: a host that another version left running (it is detached: it
+#: outlives kernels and upgrades) is not reused, its name carries it
+HOST_VERSION = 1
 
 
-class WarmCell(CellProcess):
-    """A kernel's warm actor on one GPU node: holds one pre-started single-use worker and lends it to one cell at a
-    time, so that a cell pays for neither an actor nor an interpreter start.
+class WarmHost:
+    """The warm worker host of one GPU node and interpreter: a detached Ray actor that every kernel on the cluster
+    shares. It holds one pre-started single-use worker and lends it to a cell, then starts the next one, so that a
+    cell pays for neither an actor nor an interpreter start, and a kernel's first cell on a node needs no Ray worker
+    process of the kernel's own job (a new Python's ``import ray``: seconds; bench:warm_ray).
 
-    It lives outside every lease's placement group (no CPUs or GPUs of its own, pinned to its node), owned by the
-    kernel (not detached: it dies with the kernel's driver, and the worker's lifeline with it). A cell ``claim``s the
-    worker with its lease's group and the GPU IDs Ray assigned in it (the kernel asks the group, ``gpu_ids``); while
-    it is lent, a thread watches the group and kills the worker's process group once the group is removed (the
-    lease ended: released, revoked, expired), as Ray kills an actor in it. ``release`` ends the loan and starts the
-    next worker. Every call a cell makes names its claim: a stale handle never reaches the next cell's worker."""
+    It lives outside every lease's placement group (no CPUs or GPUs of its own, pinned to its node), started by the
+    first kernel that needs it and found by name by the next (``get_if_exists``); no kernel owns it. A cell ``claim``s
+    a worker with its lease's group and the GPU IDs Ray assigned in it (the lease view's, from the broker; else the
+    kernel asks the group); while it is lent, a thread watches the group and kills the worker's process group once
+    the group is removed (the lease ended: released, revoked, expired, or its kernel died and the broker ended it), as
+    Ray kills an actor in it. ``release`` ends the loan. Every call a cell makes names its claim: a stale handle never
+    reaches another cell's worker. The workers start with the node's environment and the interpreter's ``PYTHON*``
+    settings (the host's key) only; a kernel's own settings come with each job."""
 
-    def __init__(self, python: str, args: list[str], env: dict[str, str]) -> None:
-        self.visible = ""
-        self._spec = (python, args, env)
+    def __init__(self, python: str, env: dict[str, str]) -> None:
+        self._spec = (python, env)
         self._lock = threading.Lock()
-        self._claim = 0  # the loan's number while the worker is lent, else 0
         self._claims = itertools.count(1)
-        self._stop = threading.Event()
-        self._start(python, args, env)
+        self._loans: dict[int, tuple[CellProcess, threading.Event, list[float]]] = {}  # claim -> worker, stop, last call
+        self._idle: CellProcess | None = self._new()
+
+    def _new(self) -> CellProcess:
+        worker = CellProcess.__new__(CellProcess)  # (not an actor: one of this actor's worker processes)
+        worker.visible = ""
+        worker._start(self._spec[0], [], self._spec[1])
+        return worker
 
     def claim(self, placement_group_id: str, visible: str) -> dict[str, Any]:
-        """Lend the worker to a cell of the lease whose group is ``placement_group_id``: its info and ``claim`` (the
-        number its calls name), ``{"busy": True}`` while another cell has it."""
+        """Lend a worker to a cell of the lease whose group is ``placement_group_id``, with ``visible`` GPUs: its
+        info and ``claim`` (the number its calls name); the next worker starts in the background."""
         with self._lock:
-            if self._claim:
-                return {"busy": True}
-            if not self.error and self.proc.poll() is not None:  # it died waiting: a new one
-                self._start(*self._spec)
-            if self.error:
-                return self.info()
-            self._claim = next(self._claims)
-            self.visible = visible
-            self._stop = threading.Event()
-            threading.Thread(target=self._watch, args=(self._claim, placement_group_id, self._stop), daemon=True,
-                             name="gpulease-watch").start()
-            return {**self.info(), "claim": self._claim}
+            self._purge()
+            worker, self._idle = self._idle, None
+            if worker is None or (not worker.error and worker.proc.poll() is not None):  # none, or it died waiting
+                worker = self._new()
+            if worker.error:
+                self._idle = worker
+                return worker.info()
+            claim = next(self._claims)
+            worker.visible = visible
+            stop = threading.Event()
+            self._loans[claim] = (worker, stop, [time.monotonic()])
+        threading.Thread(target=self._watch, args=(claim, placement_group_id, stop), daemon=True,
+                         name="gpulease-watch").start()
+        threading.Thread(target=self._refill, daemon=True, name="gpulease-refill").start()
+        return {**worker.info(), "claim": claim}
+
+    def _refill(self) -> None:
+        with self._lock:
+            if self._idle is None:
+                self._idle = self._new()
+
+    def _purge(self) -> None:
+        """Forget loans whose worker exited and whose kernel stopped calling (it died: nobody releases them)."""
+        now = time.monotonic()
+        for claim, (worker, stop, last) in list(self._loans.items()):
+            if worker.proc.poll() is not None and now - last[0] > STALE_SECONDS:
+                stop.set()
+                del self._loans[claim]
 
     def _watch(self, claim: int, placement_group_id: str, stop: threading.Event) -> None:
         from ray._raylet import PlacementGroupID
@@ -234,63 +270,53 @@ class WarmCell(CellProcess):
             except Exception:  # the GCS did not answer: ask again
                 continue
             if removed:
-                with self._lock:
-                    if self._claim == claim:  # the lease ended: its GPUs are no longer this worker's
-                        self._signal(signal.SIGKILL)
+                loan = self._loans.get(claim)
+                if loan is not None and not stop.is_set():  # the lease ended: its GPUs are no longer this worker's
+                    loan[0].signal(signal.SIGKILL)
                 return
+
+    def _lent(self, claim: int) -> CellProcess | None:
+        loan = self._loans.get(claim)
+        if loan is None:
+            return None
+        loan[2][0] = time.monotonic()
+        return loan[0]
 
     def release(self, claim: int) -> None:
-        """End the loan: the worker (done with its one cell, else killed) is replaced by a new one."""
+        """End the loan: the worker (done with its one cell, else killed) goes."""
         with self._lock:
-            if claim != self._claim:
-                return
-            self._stop.set()
-            self._claim, self.visible = 0, ""
-            if self.proc.poll() is None:
-                CellProcess.kill(self, 0.5)
-            self._start(*self._spec)  # in the background from here on: the interpreter starts while no cell waits
+            loan = self._loans.pop(claim, None)
+        if loan is not None:
+            loan[1].set()
+            if loan[0].proc.poll() is None:
+                loan[0].kill(0.5)
 
-    def _lent(self, claim: int) -> bool:
-        return bool(claim) and claim == self._claim
+    def sees(self, path: str, token: str) -> bool:
+        """Whether this node sees the kernel's artifact directory (the marker check: ``base.RootCheck``)."""
+        return sees_marker(path, token)
 
     def submit(self, job: dict[str, Any], claim: int = 0) -> None:
-        if not self._lent(claim):
+        worker = self._lent(claim)
+        if worker is None:
             raise RuntimeError("this worker was not lent to the cell")
-        super().submit(job)
+        worker.submit(job)
 
     def poll(self, timeout: float, claim: int = 0) -> tuple[list[tuple[int, bytes]], int | None, int]:
-        if not self._lent(claim):
-            return [], None, 0
-        return super().poll(timeout)
+        worker = self._lent(claim)
+        return worker.poll(timeout) if worker is not None else ([], None, 0)
 
     def signal(self, sig: int, claim: int = 0) -> None:
-        if self._lent(claim):
-            super().signal(sig)
+        worker = self._lent(claim)
+        if worker is not None:
+            worker.signal(sig)
 
     def kill(self, grace: float, claim: int = 0) -> int | None:
-        return super().kill(grace) if self._lent(claim) else None
+        worker = self._lent(claim)
+        return worker.kill(grace) if worker is not None else None
 
     def wait(self, timeout: float, claim: int = 0) -> int | None:
-        return super().wait(timeout) if self._lent(claim) else None
-
-
-def gpu_ids() -> str:
-    """(A Ray task in a lease's group, on the GPU node.) The GPU IDs Ray assigned there, as CUDA_VISIBLE_DEVICES."""
-    import ray
-
-    return ",".join(str(i) for i in ray.get_gpu_ids())
-
-
-def in_bundle(task: Any, pg: Any, bundle: int, gpus: float) -> Any:
-    """``task`` (a Ray remote function) asked to run in bundle ``bundle`` of the lease's group ``pg`` with its
-    ``gpus``, run once. As Ray places tasks in a group, never by the group's resource names (``GPU_group_0_<id>``),
-    which Ray does not tie to the bundle: Ray 2.60's raylet aborts (the node dies) when a group is removed while a
-    task asked that way runs; asked this way, a lease that ends meanwhile stops the task, as any task in its group
-    (tests/broker/inventory/test_ray_warm.py)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return task.options(num_gpus=gpus, max_retries=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
+        worker = self._lent(claim)
+        return worker.wait(timeout) if worker is not None else None
 
 
 class RayStartError(RuntimeError):
@@ -338,48 +364,52 @@ def _init(ray: Any, placement: dict[str, Any], client_address: str) -> None:
 
 
 class WarmActors:
-    """The kernel's warm actors (``WarmCell``), one per GPU node and interpreter, each started at the kernel's first
-    cell there (with an idle Ray worker process beside it for ``lend``'s GPU-ID task), killed at the kernel's shutdown
-    (and with the kernel, as their owner). Each Ray worker process's start costs a new Python's ``import ray``: see
-    ``ray_lazy_import`` for what keeps that short."""
+    """The kernel's handles on the nodes' warm worker hosts (``WarmHost``), one per GPU node and interpreter: started
+    by the first kernel that needs one there (a new Ray worker process: see ``ray_lazy_import`` for what keeps that
+    short), found by name by every later kernel, so that their first cells on the node start no Ray worker process;
+    never killed by a kernel's shutdown (other kernels' cells borrow from them)."""
 
     def __init__(self) -> None:
-        self._actors: dict[tuple[str, str], Any] = {}
+        self._hosts: dict[tuple[str, str], Any] = {}
         self._answered: set[tuple[str, str]] = set()  # those that answered once: later calls wait call_timeout
         self._lock = threading.Lock()
-        self._gpu_ids: Any = None
+        self._gpu_ids: Any = None  # the kernel's own GPU-ID task, where the lease view does not carry them
+        #: whether the broker tells the GPU IDs (the lease view's ``gpu_ids``): None not known yet, False once it did
+        #: not within IDS_WAIT (an older broker: later cells read the view once and ask Ray at once)
+        self._broker_ids: bool | None = None
 
     @staticmethod
     def _key(node: str, python: str, env: dict[str, str]) -> tuple[str, str]:
         # the kernel's PYTHON* settings act at the interpreter's start: a worker started with others is not lent
         return node, python + repr(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
 
+    @staticmethod
+    def host_name(key: tuple[str, str]) -> str:
+        """The node's host for an interpreter, in the broker's namespace: ``gpulease-host-<node>-v<version>-<hash>``."""
+        return f"gpulease-host-{key[0]}-v{HOST_VERSION}-{hashlib.sha256(key[1].encode()).hexdigest()[:12]}"
+
     def start(self, ray: Any, node: str, python: str, env: dict[str, str], namespace: str | None) -> None:
-        """Start the kernel's warm actor on ``node`` for ``python`` unless there is one (``lend`` waits for its
-        answer), and an idle Ray worker process of this kernel's job beside it for ``lend``'s GPU-ID task, both at
-        once: a node's first cell borrows the warm worker as the next ones do. (Starting the warm actor after a first
-        cell run in an actor of its own saved that cell one of the two Ray worker starts, 5.6 -> 2.8 s here, but the
-        cell right after it waited for both: 116 ms -> 3.9-4.5 s, bench:warm_ray, so Run All lost.)"""
+        """Find the node's warm host for ``python``, or start it (``lend`` waits for its answer): a node's first cell
+        borrows its worker as the next ones do. (Starting a warm actor after a first cell run in an actor of its own
+        saved that cell a start, but the cell right after it waited for the warm actor: 116 ms -> 3.9-4.5 s, so Run
+        All lost.)"""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         key = self._key(node, python, env)
         with self._lock:
-            if key in self._actors:
+            if key in self._hosts:
                 return
             node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node),
                            None)
             if node_id is None:
                 return
-            where = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            self._actors[key] = (
-                ray.remote(WarmCell)
-                .options(num_cpus=0, num_gpus=0, max_restarts=0, max_concurrency=4,
-                         name=f"gpulease-warm-{node}-w{os.getpid()}-{os.urandom(3).hex()}",
-                         namespace=namespace, scheduling_strategy=where)
-                .remote(python, [], env)
+            self._hosts[key] = (
+                ray.remote(WarmHost)
+                .options(num_cpus=0, num_gpus=0, max_restarts=0, max_concurrency=HOST_CALLS, lifetime="detached",
+                         get_if_exists=True, name=self.host_name(key), namespace=namespace,
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+                .remote(python, {k: v for k, v in env.items() if k.startswith("PYTHON")})
             )
-            # a worker process that Ray keeps for this job on the node: the first GPU-ID task there runs at once
-            self._task().options(scheduling_strategy=where).remote()
 
     def _task(self) -> Any:
         if self._gpu_ids is None:
@@ -389,50 +419,88 @@ class WarmActors:
         return self._gpu_ids
 
     def lend(self, ray: Any, placement: dict[str, Any], bundle: int, pg: Any, python: str, env: dict[str, str],
-             start_timeout: float, call_timeout: float) -> tuple[Any, dict[str, Any]] | None:
-        """(actor, its claim's info) for a cell of the lease: the node's warm worker, lent with the GPU IDs Ray
-        assigned in the lease's group; None where it cannot be (no such node, busy, or its actor failed: then it
-        is killed and a later cell makes a new one), and the cell starts its own actor."""
+             start_timeout: float, call_timeout: float,
+             reread: Callable[[], dict[str, Any] | None] | None = None) -> tuple[Any, dict[str, Any]] | None:
+        """(host, its claim's info) for a cell of the lease: a worker of the node's warm host, lent with the GPU IDs
+        Ray assigned in the lease's group; None where it cannot be (no such node, or the host failed: then it is
+        killed and a later cell makes a new one), and the cell starts its own actor in the group.
+
+        The IDs: the lease view's (``placement.bundles[i].gpu_ids``, the broker's); where the view at grant came
+        before the broker learned them (milliseconds after the group is placed), the lease view read again
+        (``reread``), polled for up to ``IDS_WAIT`` (once: an older broker that never tells them costs a kernel that
+        wait once); else a task in the group (``ray_ids.in_bundle``), in a Ray worker process of the kernel's job."""
         node = str(placement["bundles"][bundle].get("node") or "")
         key = self._key(node, python, env)
         with self._lock:
-            actor = self._actors.get(key)
-        if actor is None:
+            host = self._hosts.get(key)
+        if host is None:
             return None
-        # which of the node's GPUs the group holds: a task in the lease's bundle (Ray sets its GPU IDs), run by the
-        # idle worker ``start`` made
-        ids = in_bundle(self._task(), pg, bundle, float(placement["bundles"][bundle].get("gpus", 1))).remote()
+        visible = placement["bundles"][bundle].get("gpu_ids")
+        if visible is None and reread is not None:
+            visible = _bundle_ids(reread, bundle, placement["placement_group_id"],
+                                  0.0 if self._broker_ids is False else IDS_WAIT)
+            self._broker_ids = self._broker_ids or visible is not None
+        elif visible is not None:
+            self._broker_ids = True
+        if visible is None:
+            try:
+                visible = ray.get(in_bundle(self._task(), pg, bundle, float(placement["bundles"][bundle].get("gpus", 1)))
+                                  .remote(), timeout=start_timeout)
+            except Exception:  # the group is gone (the lease ended) or its node does not answer: the cell's own actor
+                return None    # in the group says which
         try:
-            visible = ray.get(ids, timeout=start_timeout)
-        except Exception:  # the group is gone (the lease ended) or its node does not answer: the cell's own actor
-            return None    # in the group says which
-        try:
-            info: dict[str, Any] = ray.get(actor.claim.remote(placement["placement_group_id"], visible),
+            info: dict[str, Any] = ray.get(host.claim.remote(placement["placement_group_id"], str(visible)),
                                            timeout=call_timeout if key in self._answered else start_timeout)
         except Exception:
-            self._forget(ray, key, actor)
+            self._forget(ray, key, host)
             return None
         self._answered.add(key)
-        return None if info.get("busy") else (actor, info)
+        if info.get("error"):  # (the interpreter is missing there: in one line, as a cell's own actor says it)
+            raise RayStartError(info["error"])
+        return host, info
 
-    def _forget(self, ray: Any, key: tuple[str, str], actor: Any) -> None:
+    def _forget(self, ray: Any, key: tuple[str, str], host: Any) -> None:
+        """A host that did not answer (or died) is killed: the next cell starts a new one under its name."""
         with self._lock:
-            if self._actors.get(key) is actor:
-                del self._actors[key]
+            if self._hosts.get(key) is host:
+                del self._hosts[key]
             self._answered.discard(key)
         with contextlib.suppress(Exception):
-            ray.kill(actor)
+            ray.kill(host)
 
     def shutdown(self) -> None:
+        """The kernel stops: its handles go; the hosts stay for the other kernels (their loans of this kernel's cells
+        were released as the cells ended)."""
         with self._lock:
-            actors, self._actors = list(self._actors.values()), {}
+            self._hosts.clear()
             self._answered.clear()
-        if actors:
-            import ray
 
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
+
+#: the calls a node's warm host serves at once (every cell lent a worker polls it for output)
+HOST_CALLS = 256
+#: how long a cell waits (polling the lease view) for the broker to tell a bundle's GPU IDs before asking Ray itself
+#: (a task in the group); the broker knows them milliseconds after the group is placed
+IDS_WAIT = 3.0
+IDS_POLL = 0.02
+
+
+def _bundle_ids(reread: Callable[[], dict[str, Any] | None], bundle: int, pg_id: str, wait: float) -> str | None:
+    """The bundle's GPU IDs in the lease view read again, polled for up to ``wait`` seconds (None: not there by then,
+    another group, or no answer)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            placement = reread() or {}
+            if placement.get("placement_group_id") != pg_id:
+                return None
+            ids = placement["bundles"][bundle].get("gpu_ids")
+        except Exception:
+            return None
+        if ids is not None:
+            return str(ids)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(IDS_POLL)
 
 
 def kernel_env() -> dict[str, str]:
@@ -449,9 +517,10 @@ class RayWorker(RelayedWorker):
     def __init__(self, placement: dict[str, Any], python: str | None = None, preload: list[str] | None = None,
                  session: bool = False, bundle: int = 0, lease_id: str = "", start_timeout: float = DEFAULT_START_TIMEOUT,
                  call_timeout: float = DEFAULT_CALL_TIMEOUT, client_address: str = "",
-                 warm: WarmActors | None = None) -> None:
-        """``warm``: the kernel's warm actors; a single-use worker is then borrowed from the node's (``WarmCell``),
-        else (a session, the warm one busy or failing) started in a new actor in the lease's group."""
+                 warm: WarmActors | None = None, reread: Callable[[], dict[str, Any] | None] | None = None) -> None:
+        """``warm``: the kernel's handles on the nodes' warm hosts; a single-use worker is then borrowed from the
+        node's (``WarmHost``), else (a session, or the host failing) started in a new actor in the lease's group.
+        ``reread``: the lease's placement as the broker shows it now (``WarmActors.lend``)."""
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         ray = _connect(placement, client_address)
         from ray._raylet import PlacementGroupID
@@ -478,7 +547,7 @@ class RayWorker(RelayedWorker):
         if warm is not None and not session:  # the node's warm actor, started at the kernel's first cell there
             warm.start(ray, node, python or sys.executable, env, placement.get("namespace"))
         lent = None if warm is None or session else warm.lend(
-            ray, placement, bundle, pg, python or sys.executable, env, start_timeout, call_timeout)
+            ray, placement, bundle, pg, python or sys.executable, env, start_timeout, call_timeout, reread)
         if lent is not None:
             self.actor, self.info = lent[0], lent[1]
             self._claim = int(self.info.get("claim") or 0)
@@ -629,11 +698,12 @@ class RayWorker(RelayedWorker):
         loan ends instead (its warm actor kills it if it still runs, and starts the next)."""
         import ray
 
-        if self._claim and not self._dead:
+        if self._claim:  # never the shared host itself: its group's removal, or its purge, ends a loan not released
             claim, self._claim, self._done = self._claim, 0, True
-            with contextlib.suppress(Exception):
-                ray.get(self.actor.release.remote(claim), timeout=self.call_timeout)
-                return
+            if not self._dead:
+                with contextlib.suppress(Exception):
+                    ray.get(self.actor.release.remote(claim), timeout=self.call_timeout)
+            return
         self._done = True
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
@@ -657,10 +727,11 @@ class RayExecutor(PlacedExecutor):
     warm = Bool(
         True,
         config=True,
-        help="Keep a warm worker on each GPU node this kernel's cells ran on (one Ray actor per node, outside the "
-        "leases' placement groups, with no CPUs or GPUs of its own, that dies with the kernel): a single-use cell "
-        "borrows it instead of starting an actor and an interpreter (about 2 s); a node's first cell starts it. False: "
-        "a new actor in the lease's placement group for every cell. Example: False.",
+        help="Borrow a pre-started worker from the node's warm host for single-use cells (one detached Ray actor per "
+        "GPU node and interpreter, named gpulease-host-<node>-…, outside the leases' placement groups, with no CPUs or "
+        "GPUs of its own, shared by every kernel: the first kernel that needs it starts it), instead of starting an "
+        "actor and an interpreter per cell (about 2 s). False: a new actor in the lease's placement group for every "
+        "cell. Example: False.",
     )
 
     def __init__(self, **kwargs: Any) -> None:
@@ -689,6 +760,13 @@ class RayExecutor(PlacedExecutor):
     def worker(self, lease: LeaseView, python: str | None, preload: list[str] | None,
                session: bool) -> RayWorker:
         assert lease.placement is not None
+        client = getattr(self.parent, "client", None)  # the magics' broker client (the Python API's has none here)
+        lease_id = lease.id
+
+        def reread() -> dict[str, Any] | None:
+            return client.lease(lease_id).placement if client is not None else None
+
         return RayWorker(lease.placement, python, preload, session=session, lease_id=lease.id,
                          start_timeout=self.start_timeout, call_timeout=self.call_timeout,
-                         client_address=self.client_address, warm=self._warm if self.warm else None)
+                         client_address=self.client_address, warm=self._warm if self.warm else None,
+                         reread=reread if client is not None else None)

@@ -42,7 +42,13 @@ export interface ILease {
     placement_group?: string;
     placement_group_id?: string;
     state?: string;
-    bundles?: Record<string, unknown>[];
+    bundles?: {
+      index?: number;
+      node?: string;
+      gpus?: number;
+      gpu_ids?: string;
+      [key: string]: unknown;
+    }[];
     [key: string]: unknown;
   } | null;
   preempting?: {

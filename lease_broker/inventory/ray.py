@@ -10,18 +10,29 @@ found again by name; ending the lease removes it (Ray then kills the actors in i
 ``%%gpu`` worker). A group that Ray cannot place within ``placement_timeout`` is removed and
 the lease fails; a node that dies takes its GPUs out of the inventory and fails the leases
 that held them.
+
+Once a group is placed, the broker learns which GPU IDs Ray assigned to each bundle (one task per bundle, placed in
+the bundle, ``gpulease_protocol.ray_ids``; submitted off Ray's callback thread, never waited for on the event loop)
+and the lease view shows them (``placement.bundles[i].gpu_ids``, e.g. ``"0,1"``), so that a kernel need not run that
+task itself (a kernel's task needs a Ray worker process of the kernel's own job: seconds of ``import ray`` on its first
+cell). At start the broker runs one trivial task on each GPU node: its idle Ray worker process there then runs those
+tasks at once (milliseconds).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from traitlets import Unicode
+
+from gpulease_protocol.ray_ids import gpu_ids, in_bundle
 
 from ..core.errors import LeaseError
 from ..core.gpu import GPU, GpuSample
@@ -110,6 +121,10 @@ class RayInventory(Inventory):
         self._adopted = False
         self._discovered = False
         self._dirty = False  # discover() saw a different set of GPUs than the broker has
+        self._gpu_ids: dict[str, dict[int, str]] = {}  # lease id -> bundle index -> the GPU IDs Ray assigned there
+        self._ids_task: Any = None
+        # asks for the GPU IDs of a placed group off Ray's callback thread (submits tasks; never waits for them)
+        self._asker = ThreadPoolExecutor(1, thread_name_prefix="gpulease-ray-ids")
 
     # ---------------------------------------------------------------- connection
     def _connect(self) -> Any:
@@ -155,11 +170,31 @@ class RayInventory(Inventory):
                     for i in range(count)]
         with self._lock:
             self._dirty = self._dirty or (self._discovered and [g.id for g in out] != [g.id for g in self._gpus])
-            if not self._discovered:
+            first = not self._discovered
+            if first:
                 self._reported = {g.id: g for g in out}  # the broker starts with these
             self._discovered = True
             self._gpus, self._declared, self._node_count = out, declared, len(nodes)
+        if first:
+            self._prestart([n["NodeID"] for n in nodes if int((n.get("Resources") or {}).get("GPU", 0))])
         return out
+
+    def _ids(self) -> Any:
+        if self._ids_task is None:
+            self._ids_task = self._connect().remote(num_cpus=0)(gpu_ids)
+        return self._ids_task
+
+    def _prestart(self, node_ids: list[str]) -> None:
+        """One trivial task (no CPUs) on each GPU node, not waited for: the Ray worker process it starts (a new
+        Python's ``import ray``, seconds of the node's CPU, once) stays idle for this broker's job, so the tasks that
+        learn each placed group's GPU IDs there run in it at once (milliseconds)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for node_id in node_ids:
+            try:
+                self._ids().options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            except Exception:  # only a head start: the first group's tasks start the worker then
+                log.debug("Ray node %s: no prestarted worker", node_id, exc_info=True)
 
     def sample(self) -> dict[str, GpuSample]:
         """Ray reports no per-GPU use: refresh the node list (node death) and report empty samples."""
@@ -198,8 +233,16 @@ class RayInventory(Inventory):
             "placement_group": pg_name(lease.id),
             "placement_group_id": pg.id.hex(),
             "state": self._pg_state.get(lease.id, "pending"),
-            "bundles": [{"index": i, "node": n, "gpus": frac or count} for i, (n, count) in enumerate(per_node.items())],
+            "bundles": [self._bundle(lease.id, i, n, frac or count) for i, (n, count) in enumerate(per_node.items())],
         }
+
+    def _bundle(self, lease_id: str, index: int, node: str, gpus: float) -> dict[str, Any]:
+        """A bundle as the view shows it; ``gpu_ids`` once the broker learned them (``_learn_ids``)."""
+        out: dict[str, Any] = {"index": index, "node": node, "gpus": gpus}
+        ids = self._gpu_ids.get(lease_id, {}).get(index)
+        if ids is not None:
+            out["gpu_ids"] = ids
+        return out
 
     # ---------------------------------------------------------------- placement groups
     def _create(self, lease: Lease) -> None:
@@ -229,11 +272,45 @@ class RayInventory(Inventory):
             with self._lock:
                 if self._pgs.get(lease_id) is pg and self._pg_state.get(lease_id) == "pending":
                     self._pg_state[lease_id] = "ready"  # seen by the next view; the tick logs it
+            try:
+                self._asker.submit(self._learn_ids, lease_id, pg)
+            except RuntimeError:  # closed
+                pass
 
         try:
             pg.ready().future().add_done_callback(placed)
         except Exception:  # the tick's pg.wait(0) still finds out
             log.debug("Lease %s: no readiness callback", lease_id, exc_info=True)
+
+    def _learn_ids(self, lease_id: str, pg: Any) -> None:
+        """(Off Ray's callback thread, once the group is placed.) One task per bundle in the group, as a kernel would
+        ask (``ray_ids.in_bundle``); each answer is stored under the lock as it comes and shown by the next view. A
+        group removed meanwhile ends its tasks (Ray stops a group's tasks with it): the answer is then dropped."""
+        try:
+            specs = pg.bundle_specs
+        except Exception:
+            log.debug("Lease %s: the group's bundles are unknown", lease_id, exc_info=True)
+            return
+        for index, spec in enumerate(specs):
+            gpus = float(spec.get("GPU", 0))
+            if not gpus:
+                continue
+
+            def learned(fut: Any, index: int = index) -> None:  # on a Ray thread
+                with self._lock:
+                    if fut.exception() is None and self._pgs.get(lease_id) is pg:
+                        self._gpu_ids.setdefault(lease_id, {})[index] = str(fut.result())
+                if fut.exception() is not None:
+                    log.debug("Lease %s: bundle %d's GPU IDs: %s", lease_id, index, fut.exception())
+
+            try:
+                with self._lock:
+                    if self._pgs.get(lease_id) is not pg:
+                        return
+                ref = in_bundle(self._ids(), pg, index, gpus).remote()
+                ref.future().add_done_callback(functools.partial(learned, index=index))
+            except Exception:  # the view goes without them; a kernel asks itself
+                log.debug("Lease %s: asking bundle %d's GPU IDs failed", lease_id, index, exc_info=True)
 
     def _find(self, lease_id: str) -> Any:
         from ray.util import get_placement_group
@@ -249,6 +326,7 @@ class RayInventory(Inventory):
         with self._lock:
             pg = self._pgs.pop(lease_id, None)
             self._pg_state.pop(lease_id, None)
+            self._gpu_ids.pop(lease_id, None)
             self._pg_since.pop(lease_id, None)
             self._logged.discard(lease_id)
         if pg is None:
@@ -358,6 +436,7 @@ class RayInventory(Inventory):
 
     def close(self) -> None:
         """Disconnect; the detached groups of holding leases stay for the next broker to find."""
+        self._asker.shutdown(wait=False)
         if self._ray is not None and self._owns_ray:
             try:
                 self._ray.shutdown()

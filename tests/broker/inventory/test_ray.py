@@ -111,7 +111,8 @@ def test_each_lease_is_a_placement_group_on_distinct_devices(client: BrokerClien
     for lease in (a, b):
         p = lease["placement"]
         assert p["kind"] == "ray" and p["placement_group"] == "gpulease-" + lease["id"]
-        assert p["bundles"] == [{"index": 0, "node": lease["node"], "gpus": 2}]
+        assert [{k: b[k] for k in ("index", "node", "gpus")} for b in p["bundles"]] == [
+            {"index": 0, "node": lease["node"], "gpus": 2}]
         group = _groups()[p["placement_group"]]
         assert group["state"] == "CREATED" and group["strategy"] == "STRICT_PACK"
         assert group["bundles"][0]["GPU"] == 2.0
@@ -131,6 +132,46 @@ def test_gang_that_fits_only_across_nodes(client: BrokerClient) -> None:
     assert sorted(b["GPU"] for b in group["bundles"].values()) == [2.0, 4.0]
     assert len(set(group["bundles_to_node_id"].values())) == 2
     assert _gpus_free_in_ray() == 0.0
+
+
+def _ids_ray_assigned(group_hex: str, bundle: int, gpus: float) -> str:
+    """What a task holding bundle ``bundle``'s GPUs in the group sees (Ray's own PlacementGroupSchedulingStrategy)."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group_hex)))
+    task = ray.remote(num_cpus=0, num_gpus=gpus)(lambda: ",".join(str(i) for i in ray.get_gpu_ids()))
+    return str(ray.get(task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=bundle)).remote(), timeout=T))
+
+
+def _with_ids(c: BrokerClient, lease: dict[str, Any]) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        view = c.lease(lease["id"])
+        bundles = (view.get("placement") or {}).get("bundles") or []
+        return view if bundles and all("gpu_ids" in b for b in bundles) else None
+
+    return wait_for(check, what=f"the GPU IDs of {lease['id']}'s bundles in its view")
+
+
+def test_ready_placement_carries_each_bundles_gpu_ids_as_ray_assigned(client: BrokerClient) -> None:
+    """The broker learns which GPU IDs Ray assigned to each bundle once the group is placed, and the view shows
+    them: what a task in that bundle sees (a kernel then need not ask)."""
+    held = _ready(client, client.request_lease(1, wait=T, locality="node"))  # so that the gang's IDs are not 0..n
+    gang = _with_ids(client, _ready(client, client.request_lease(5, wait=T, locality="any")))
+    bundles = gang["placement"]["bundles"]
+    assert {b["node"] for b in bundles} == {HEAD, SECOND}
+    for b in bundles:
+        seen = _ids_ray_assigned(gang["placement"]["placement_group_id"], b["index"], b["gpus"])
+        assert b["gpu_ids"] == seen
+        assert len(b["gpu_ids"].split(",")) == b["gpus"]
+    held = _with_ids(client, held)
+    (one,) = held["placement"]["bundles"]
+    assert one["gpu_ids"] == _ids_ray_assigned(held["placement"]["placement_group_id"], 0, 1)
+    client.release(gang["id"])
+    client.release(held["id"])
 
 
 def test_gang_that_fits_nowhere_waits_and_holds_nothing(client: BrokerClient) -> None:
@@ -312,9 +353,9 @@ def test_broker_restart_finds_its_groups_and_the_cells_workers_again(
     group = lease["placement"]["placement_group_id"]
     assert group in partial.stdout  # the cell knows its group (to use the rest of a gang through Ray)
     namespace = lease["placement"]["namespace"]
-    # the cell's worker: lent by the kernel's warm actor on the lease's node (outside the group, RayExecutor.warm)
+    # the cell's worker: lent by the node's warm host (outside the group, shared by the kernels: RayExecutor.warm)
     workers = [a for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["namespace"] == namespace and a["name"].startswith(f"gpulease-warm-{lease['node']}-w")]
+               if a["namespace"] == namespace and a["name"].startswith(f"gpulease-host-{lease['node']}-")]
     assert len(workers) == 1, workers
 
     broker.kill9()  # no cleanup code runs

@@ -1,15 +1,15 @@
-"""Warm Ray cells: a kernel's single-use ``%%gpu`` cells borrow a pre-started worker from the kernel's warm actor on
-the node (``executors.ray.WarmCell``, outside the leases' placement groups) instead of starting an actor per cell.
+"""Warm Ray cells: a kernel's single-use ``%%gpu`` cells borrow a pre-started worker from the node's warm host
+(``executors.ray.WarmHost``: a detached actor outside the leases' placement groups that every kernel shares) instead
+of starting an actor per cell.
 A REAL local Ray cluster (tests/ray_cluster.py), a REAL broker with ``--inventory=ray`` and REAL kernels.
 
 Revocation of a warm cell: tests/broker/inventory/test_ray.py::test_revoke_kills_the_ray_worker (the cells there
-are warm too); here, that the warm actor outlives it and lends the next cell a new worker.
+are warm too); here, that the warm host outlives it and lends the next cell a new worker.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,26 +70,13 @@ def _where(r: Any) -> dict[str, Any]:
             "node": node}
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def _gpu_ids_of(group_hex: str, gpus: float) -> list[str]:
     """The GPU IDs Ray assigned in a lease's group, asked as the kernel asks (a task in the group)."""
     import ray
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
-    from jupyter_gpulease.executors.ray import gpu_ids, in_bundle
+    from gpulease_protocol.ray_ids import gpu_ids, in_bundle
 
     pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group_hex)))
     return str(ray.get(in_bundle(ray.remote(num_cpus=0)(gpu_ids), pg, 0, gpus).remote(), timeout=T)).split(",")
@@ -105,13 +92,13 @@ def test_ray_warm_lease_ended_while_a_task_runs_in_its_group_leaves_the_node_ali
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
-    from jupyter_gpulease.executors.ray import in_bundle
+    from gpulease_protocol.ray_ids import in_bundle
 
     def slow_gpu_ids(started: str, seconds: float) -> str:  # by value: Ray's workers cannot import this module
         import pathlib
         import time
 
-        from jupyter_gpulease.executors.ray import gpu_ids
+        from gpulease_protocol.ray_ids import gpu_ids
 
         pathlib.Path(started).touch()
         time.sleep(seconds)
@@ -132,17 +119,29 @@ def test_ray_warm_lease_ended_while_a_task_runs_in_its_group_leaves_the_node_ali
                       what=f"node {ip} alive (Ray marks a dead raylet's node dead within 2 s here)")
 
 
-def test_ray_warm_first_cell_on_a_node_borrows_the_warm_worker_too(
+def _own_gpu_id_task(k: Any) -> bool:
+    """Whether the kernel ran a GPU-ID task of its own (a Ray worker process of its job on the node)."""
+    r = k.run("get_ipython().magics_manager.registry['GpuMagics'].executors['ray']._warm._gpu_ids is not None")
+    assert r.status == "ok", r.outputs
+    return r.result == "True"
+
+
+def test_ray_warm_first_cell_of_each_new_kernel_borrows_the_nodes_shared_host(
     ray_cluster: LocalRayCluster, broker: BrokerProcess, client: BrokerClient, tmp_path: Path
 ) -> None:
-    """A new kernel's first cell on a node starts the kernel's warm actor there and runs in its worker, the next cell
-    (right after) in the next worker of the same actor: no actor of its own for either."""
-    with kernel_of(broker, tmp_path / "artifacts", ray_env(ray_cluster)) as k:
-        first = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
-        second = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
-        assert second["actor_pid"] == first["actor_pid"]  # both lent by the node's warm actor
+    """A new kernel's first cell on a node borrows a worker of the node's warm host, which the first kernel there
+    started and every later kernel finds by name, with the GPU IDs of the lease view (the broker's): the kernel starts
+    no Ray worker process of its own job (neither an actor nor a GPU-ID task); the next cell borrows the next worker."""
+    seen: dict[str, int] = {}  # node -> its host's pid
+    for n in range(2):
+        with kernel_of(broker, tmp_path / f"artifacts{n}", ray_env(ray_cluster)) as k:
+            first = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+            second = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+            assert not _own_gpu_id_task(k)
+        assert second["actor_pid"] == first["actor_pid"]  # both lent by the node's host
         assert second["pid"] != first["pid"]
-        assert waiting.process_alive(first["actor_pid"])
+        assert seen.setdefault(first["node"], first["actor_pid"]) == first["actor_pid"]  # the same host for both kernels
+        assert waiting.process_alive(first["actor_pid"])  # it outlives the kernel that started it
 
 
 def test_ray_warm_second_cell_borrows_the_prestarted_worker(kernel: Any, client: BrokerClient) -> None:
@@ -207,13 +206,20 @@ def test_ray_warm_actor_outlives_a_revoked_cell_and_lends_the_next_a_new_worker(
     assert after["pid"] not in (pid, before["pid"])
 
 
-def test_ray_warm_actor_dies_with_a_killed_kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess,
-                                                  client: BrokerClient, tmp_path: Path) -> None:
+def test_ray_warm_host_outlives_a_killed_kernel_whose_lent_worker_stops_with_its_lease(
+        ray_cluster: LocalRayCluster, broker: BrokerProcess, kernel: Any, client: BrokerClient, tmp_path: Path) -> None:
+    """A kernel killed while its cell runs in a worker lent by the node's host: the broker ends the kernel's lease, and
+    the host kills the worker once the lease's group is removed; the host lives on and lends the next kernel's cell a
+    worker."""
     with kernel_of(broker, tmp_path / "artifacts", ray_env(ray_cluster)) as k:
-        where = _where(k.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
-        actor_pid = where["actor_pid"]
-        # the next worker, pre-started by the warm actor: its child
-        nxt = wait_for(lambda: [p for p in _children(actor_pid) if p != where["pid"]], what="the warm actor's next worker")
+        msg_id = k.submit(f"%%gpu 1\n{WHERE}time.sleep(600)\n")
+        partial = k.collect(msg_id, timeout=T * 2, until=lambda outs: any(
+            "where" in o["content"].get("text", "") for o in outs))
+        line = next(o["content"]["text"] for o in partial.outputs if "where" in o["content"].get("text", ""))
+        pid, host, node = int(line.split()[1]), int(line.split()[2]), line.split()[5]
         k.kill9()
-        wait_for(lambda: not waiting.process_alive(actor_pid), what="the killed kernel's warm actor to die")
-        wait_for(lambda: not any(waiting.process_alive(p) for p in nxt), what="its pre-started worker to exit")
+        wait_for(lambda: not waiting.process_alive(pid), what="the dead kernel's cell stopped with its lease")
+    assert waiting.process_alive(host)
+    after = _where(kernel.run(f"%%gpu 1\n{WHERE}", timeout=T * 2))
+    if after["node"] == node:
+        assert after["actor_pid"] == host
