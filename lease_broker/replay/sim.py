@@ -37,6 +37,7 @@ from ..core.errors import Forbidden
 from ..core.identity import Identity
 from ..core.lease import HOLDING, Lease, LeaseState
 from ..manager.events import EventBus
+from ..manager.holds import keeps
 from ..manager.manager import LeaseManager
 from ..policy.lease_policy import LeasePolicy
 from ..store.lease_store import Store
@@ -58,6 +59,7 @@ LIMITS = ("oracle", "default")
 # event kinds, in the order they run at one instant: ends free GPUs before arrivals ask for them
 _END, _STOP, _DEADLINE, _ARRIVE, _PRESSURE = 0, 1, 2, 3, 4
 _SUSPEND = 5  # a holder asked to suspend reports (or its report deadline passes)
+_KEEP = 6  # a suspended gang's suspend_keep_max_seconds is up: the broker's tick takes its GPUs back (holds.py)
 PROGRESS_EVERY = 1000  # events between two progress calls
 
 
@@ -280,6 +282,8 @@ class _LeaseSim(_Sim):
             self.pressure_check(*payload)
         elif kind == _SUSPEND:
             self.report_suspended(*payload)
+        elif kind == _KEEP:
+            self._tick()  # (the real broker ticks every second or so: a kept gang's deadline is met then)
 
     def arrive(self, key: str, idx: int) -> None:
         now = self.clock.now()
@@ -469,6 +473,8 @@ class _LeaseSim(_Sim):
         rec = Suspended(lease.id, n, ask.why, now - OFFSET, running=paused is not None, suspend_cost=cost)
         self.run.suspended.append(rec)
         self.susp[lease.id] = (lease, rec, key)
+        if keeps(lease, self.m.policy) and self.m.policy.suspend_keep_max_seconds:
+            self.push(_deadline(now, self.m.policy.suspend_keep_max_seconds), _KEEP)
         if paused is not None:
             paused[2].suspensions += 1
             paused[2].costs += cost
