@@ -299,9 +299,12 @@ class Preemption:
                 del self.asked[vid]
                 log.info("Lease %s of %s: ask to suspend withdrawn (lease %s no longer waits)", vid, victim.user,
                          by_id)
-                # (an asked lease meets no idle check, and its holder may have stopped its processes for the
-                # ask: its idle time starts again now, not from before the ask)
-                self.ops.commit(victim, Change(suspension=RESUMED, event="suspend_withdrawn", last_activity=now))
+                # (an asked lease meets no idle check, and its holder may be suspending it still: a checkpoint of a
+                # whole node's memory takes minutes, and its report may come until the ask's deadline. Its idle time
+                # starts then, not now: else an idle or pressure revocation killed the cell whose state was being
+                # saved, on the contended month replay with a 30 s pressure timeout, benchmarks/replay.py)
+                self.ops.commit(victim, Change(suspension=RESUMED, event="suspend_withdrawn",
+                                               last_activity=max(now, s.deadline)))
 
     def view(self, lease: Lease, admin: bool) -> dict[str, Any]:
         """A lease's preemption for its view: the class that preempts it (and, for admins, by whom)."""

@@ -182,6 +182,28 @@ def test_an_ask_is_withdrawn_when_its_request_leaves_and_a_late_report_suspends_
     assert a.state == LeaseState.GRANTED and a.reason == "resumed" and tuple(a.devices) == left
 
 
+def test_a_withdrawn_ask_leaves_its_holder_until_the_deadline_to_report_before_any_idle_revocation(make):
+    """An ask withdrawn while its holder may be checkpointing (minutes for a whole node's memory): no idle (or
+    pressure) revocation before the ask's report deadline, so a late report still suspends the lease instead of
+    the broker killing the cell whose state was being saved."""
+    m, clock = make(gpus=1, suspend_report_seconds=60, suspend_idle=False)  # (idleness revokes, as interactive-first)
+    a = long_lease(m, clock, ALICE, idle_timeout_seconds=30)
+    r, _ = m.request(BOB, {"gpus": 1, "duration_seconds": 600})
+    deadline = a.suspension.deadline
+    clock.advance(5)
+    m.release(r.id, BOB)  # withdrawn 5 s into the ask
+    assert a.suspension is None and lease_events(m, "suspend_withdrawn")[-1]["lease"]["id"] == a.id
+    clock.advance(40)  # past its 30 s idle timeout since the withdrawal, before the report deadline
+    m.tick()
+    assert a.state in HOLDING, a.reason
+    report_suspended(m, a)  # the checkpoint finished: the holder reports
+    assert a.state == LeaseState.SUSPENDED and a.suspension is not None and a.suspension.why == "user"
+    b = long_lease(m, clock, CAROL, idle_timeout_seconds=30)  # (the GPU it gave)
+    clock.advance(deadline + 31 - clock.now())
+    m.tick()
+    assert b.state == LeaseState.REVOKED and b.reason == "idle"  # idleness itself still ends leases
+
+
 def test_an_ask_is_withdrawn_when_its_request_is_granted_elsewhere(make):
     m, clock = make(gpus=2)
     a = long_lease(m, clock, ALICE)
