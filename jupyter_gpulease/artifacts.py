@@ -107,13 +107,36 @@ class ArtifactDir:
             json.dump(meta, f, indent=1, default=str)
         os.replace(tmp, os.path.join(self.local, "meta.json"))
         if self._staged:
-            fs, path = fsspec.core.url_to_fs(self.url)
-            fs.put(self.local.rstrip("/") + "/", path, recursive=True)
+            upload(self.local, self.url)
             shutil.rmtree(self.local, ignore_errors=True)
 
     @property
     def display_path(self) -> str:
         return self.local if not self._staged else self.url
+
+
+def upload(local: str, url: str) -> None:
+    """Copy a finished lease directory to a remote root, ``meta.json`` last: a reader that finds ``meta.json``
+    (:func:`load`) finds every other file too. (One recursive ``put`` goes in name order: ``meta.json`` before
+    ``output.log``.)"""
+    fs, path = fsspec.core.url_to_fs(url)
+    path = path.rstrip("/")
+    fs.makedirs(path, exist_ok=True)
+    sources: list[str] = []
+    targets: list[str] = []
+    for parent, dirs, files in os.walk(local):
+        rel = os.path.relpath(parent, local)
+        there = path if rel == "." else path + "/" + rel.replace(os.sep, "/")
+        for name in dirs:  # empty directories the cell made are kept too
+            fs.makedirs(there + "/" + name, exist_ok=True)
+        for name in files:
+            if rel == "." and name == "meta.json":
+                continue
+            sources.append(os.path.join(parent, name))
+            targets.append(there + "/" + name)
+    if sources:
+        fs.put(sources, targets)
+    fs.put_file(os.path.join(local, "meta.json"), path + "/meta.json")
 
 
 def seal(top: str, mode: int) -> None:

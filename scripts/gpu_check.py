@@ -4,7 +4,7 @@ Run it with the machine's own ``python3`` (the one that has PyTorch with CUDA), 
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py [--out DIR]      # DIR defaults to $OUT, else /tmp/gpulease-gpu-check
 
-It does, each step bounded by a timeout (the whole run ends in under 6 minutes):
+It does, each step bounded by a timeout (the whole run ends in under 5 minutes):
 
 1. **Real-NVML contract tests**: ``tests/broker/inventory/test_inventory_contract.py -k nvml-real`` (the tests skipped
    for want of a GPU elsewhere), with the project's pure-Python dependencies the machine lacks (tornado, traitlets)
@@ -20,7 +20,13 @@ It does, each step bounded by a timeout (the whole run ends in under 6 minutes):
    calls made out of order (the error codes a fake libcuda must copy); and the baseline, in the same child: the
    same tensors copied to host memory (pageable and pinned), pickled (cloudpickle, as parking does) and saved
    (torch.save to /dev/shm), and back.
-3. Everything measured goes into one JSON file, ``gpu_check.json``, in the output folder, with the logs beside it.
+3. **An idle ``--session`` end to end** (``scripts/gpu_check_session.py``): a broker on the NVML inventory, a real
+   kernel, the session suspended for idleness and resumed by its next cell with its tensors, graph, generator and lock.
+4. **Where a checkpoint's time goes** (``--anatomy``) and the designs against the 2 s bar (``--variant``): huge pages,
+   and the driver's mapping served from a region faulted in ahead (``worker/ckpt_pool``, preloaded as the local
+   executor does), and that region registered with the driver first (``--variant pool_pinned``, not yet run: does
+   the checkpoint then copy into it by DMA?); whether the driver has CUDA 13.4's custom storage.
+5. Everything measured goes into one JSON file, ``gpu_check.json``, in the output folder, with the logs beside it.
 
 Why ctypes and not NVIDIA's ``cuda-bindings``: the checkpoint calls are six C functions taking a pid and a 64-byte
 struct, so ctypes needs no package on the worker hosts (whose Python is the user's kernel environment, not ours), is
@@ -56,10 +62,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from jupyter_gpulease.worker import ckpt_pool as POOL  # noqa: E402  (its region faulted in ahead)
 from jupyter_gpulease.worker import suspend as SUS  # noqa: E402  (the shipped mechanism; pure stdlib)
 
 GIB = 1 << 30
-DEADLINE_S = 345.0  # the whole run: a watchdog writes the JSON and ends it after this
+DEADLINE_S = 290.0  # the whole run: a watchdog writes the JSON and ends it after this (issue 33: under 5 minutes)
 T0 = time.monotonic()
 
 # ------------------------------------------------------------------------------------------------ the record
@@ -144,7 +151,8 @@ def mem_available() -> int | None:
 def install_wheels() -> dict[str, Any]:
     """The project's pure-Python dependencies this Python lacks, from .whl/ (carried to the device machine)."""
     missing = []
-    for mod in ("tornado", "traitlets", "prometheus_client", "pynvml"):
+    for mod in ("tornado", "traitlets", "prometheus_client", "pynvml", "IPython", "ipykernel", "jupyter_client",
+                "zmq", "ipywidgets"):
         try:
             __import__(mod)
         except ImportError:
@@ -156,6 +164,7 @@ def install_wheels() -> dict[str, Any]:
                 "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, (ROOT / ".whl").glob("*.whl"))],
                timeout=120)
         info["pip"] = r
+    info["entry_points"] = register_entry_points(site)
     if site.is_dir():
         sys.path.insert(0, str(site))
     paths = [str(site), str(ROOT), str(ROOT / "tests")]
@@ -168,6 +177,21 @@ def install_wheels() -> dict[str, Any]:
             still.append(mod)
     info["missing_after"] = still
     return info
+
+
+def register_entry_points(site: Path) -> list[str]:
+    """The broker and the kernel pick inventories and executors by entry point (pyproject.toml); this checkout is
+    not installed on the device, so a minimal dist-info in ``site`` declares the same entry points for the modules
+    PYTHONPATH finds in the checkout. Returns the groups declared."""
+    import tomllib
+
+    groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    dist = site / "jupyter_gpulease_checkout-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: jupyter-gpulease-checkout\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("".join(
+        f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for g, eps in groups.items()))
+    return sorted(groups)
 
 
 def environment() -> dict[str, Any]:
@@ -350,6 +374,25 @@ class Cuda:
         return {"call": what, "rc": self.errname(box["rc"]), "ok": box["rc"] == 0, "seconds": box["seconds"]}
 
 
+def custom_storage(cu: Cuda) -> dict[str, Any]:
+    """Whether the driver has the checkpoint's custom storage (CUDA 13.4, driver API 13040: the checkpoint maps the
+    target's GPU memory into the caller, which copies it where it likes, e.g. into pinned host memory at the copy
+    engines' speed, then calls cuCheckpointOperationComplete). The one design measured so far that would move 10 GiB
+    each way in under 2 s; the driver's own copy runs at pageable-memory speed (docs/gpu-checks.md)."""
+    res: dict[str, Any] = {"dlsym": hasattr(cu.lib, "cuCheckpointOperationComplete")}
+    f = getattr(cu.lib, "cuGetProcAddress_v2", None)
+    if f is not None:
+        f.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                      ctypes.POINTER(ctypes.c_int)]
+        f.restype = ctypes.c_int
+        sym, status = ctypes.c_void_p(), ctypes.c_int(-1)
+        rc = f(b"cuCheckpointOperationComplete", ctypes.byref(sym), 13040, 0, ctypes.byref(status))
+        # status: 0 found, 1 no such symbol, 2 the driver's version is too old for it
+        res["cuGetProcAddress_v2_13040"] = {"rc": cu.errname(rc), "status": status.value, "found": bool(sym.value)}
+    res["available"] = bool(res["dlsym"] or (res.get("cuGetProcAddress_v2_13040") or {}).get("found"))
+    return res
+
+
 def header_facts() -> dict[str, Any]:
     """The checkpoint structs and prototypes as this machine's cuda.h declares them, and their sizes (compiled)."""
     cands = [*glob.glob("/usr/local/cuda*/include/cuda.h"), *glob.glob("/usr/local/cuda*/targets/*/include/cuda.h"),
@@ -408,14 +451,14 @@ def cuda_bindings_facts() -> dict[str, Any]:
 class Child:
     """A process of this script in --child or --hog mode, spoken to by lines: '@@{json}' answers on stdout."""
 
-    def __init__(self, args: list[str], name: str) -> None:
+    def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.err = open(OUT_DIR / "children.stderr", "ab")
         self.err.write(f"---- {name} ----\n".encode())
         self.err.flush()
         self.proc = subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve()), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                     bufsize=1)
+                                     bufsize=1, env={**os.environ, **(env or {})})
         _CHILDREN.append(self.proc)
         self.pid = self.proc.pid
         self.q: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -485,6 +528,9 @@ def child_main(n_tensors: int, tensor_mib: int) -> None:
     sync()
     alloc_s = time.perf_counter() - t
     sums = [checksum(x) for x in tensors]
+    reserved_untrimmed = torch.cuda.memory_reserved() if cuda else None
+    if cuda:  # the checksums' temporaries, which the graph's tensors would otherwise split and keep: the footprint
+        torch.cuda.empty_cache()  # is the tensors, the graph and the context (runs before 2026-11-27 kept ~2 GB more)
 
     # a captured CUDA graph over its own static input (two inputs, their outputs kept as references)
     graph = None
@@ -655,11 +701,39 @@ def child_main(n_tensors: int, tensor_mib: int) -> None:
         res["skipped_for_time"] = over()
         return res
 
+    pinned: dict[str, int] = {}
+
+    def cu_call(name: str, *args: Any) -> int:
+        lib = ctypes.CDLL(os.environ.get("GPULEASE_LIBCUDA") or "libcuda.so.1")
+        return int(getattr(lib, name)(*args))
+
+    def pin_region() -> dict[str, Any]:
+        # if the driver's checkpoint copies through its ordinary device-to-host path, a destination it knows to be
+        # page-locked is written by DMA (55 GB/s measured for pinned copies) instead of staged through one CPU
+        # thread (5-6 GB/s into the faulted-in region): the one idea left for driver 580 (issue 33)
+        addr, length = POOL.region()
+        if not addr:
+            return {"pinned": False, "why": "no prepared region"}
+        t = time.monotonic()
+        rc = cu_call("cuMemHostRegister_v2", ctypes.c_void_p(addr), ctypes.c_size_t(length), ctypes.c_uint(0))
+        if rc == 0:
+            pinned.update(addr=addr, length=length)
+        return {"pinned": rc == 0, "rc": rc, "bytes": length, "seconds": round(time.monotonic() - t, 3)}
+
+    def unpin_region() -> dict[str, Any]:
+        # after a restore the driver has unmapped the region it was handed: the registration may be gone with it,
+        # or be left over a hole (the answer says which; a child with one left over is not used for more steps)
+        if not pinned:
+            return {"unpinned": None}
+        rc = cu_call("cuMemHostUnregister", ctypes.c_void_p(pinned.pop("addr")))
+        pinned.clear()
+        return {"unpinned": rc == 0, "rc": rc}
+
     say({"ready": True, "pid": os.getpid(), "device": dev, "alloc_s": round(alloc_s, 3), "tensors": n_tensors,
          "tensor_bytes": per * 4, "total_bytes": per * 4 * n_tensors,
          "memory_allocated": torch.cuda.memory_allocated() if cuda else None,
          "memory_reserved": torch.cuda.memory_reserved() if cuda else None,
-         "graph_captured": graph is not None, "graph_vs_eager_max_abs_diff": graph_vs_eager,
+         "memory_reserved_before_trim": reserved_untrimmed, "graph_captured": graph is not None, "graph_vs_eager_max_abs_diff": graph_vs_eager,
          "torch": torch.__version__})
     for line in sys.stdin:
         cmd, *rest = line.split()
@@ -685,6 +759,17 @@ def child_main(n_tensors: int, tensor_mib: int) -> None:
                 say({"reserved_before": before, "reserved_after": torch.cuda.memory_reserved() if cuda else 0})
             elif cmd == "prefault":  # default: torch's reserve and 1 GiB (the context, the graph's pool)
                 say(prefault_heap(int(rest[0]) if rest else (torch.cuda.memory_reserved() if cuda else 0) + GIB))
+            elif cmd == "pool":  # the shipped worker/ckpt_pool.py, its library preloaded (--pool)
+                say(POOL.prepare(int(rest[0])))
+            elif cmd == "handed":
+                say({"handed": POOL.handed()})
+            elif cmd == "pin":  # the prepared region registered with the driver (page-locked): --variant pool_pinned
+                say(pin_region())
+            elif cmd == "unpin":
+                say(unpin_region())
+            elif cmd == "drop":
+                POOL.drop()
+                say({"dropped": True})
             elif cmd == "exit":
                 say({"bye": True})
                 return
@@ -694,6 +779,12 @@ def child_main(n_tensors: int, tensor_mib: int) -> None:
             say({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
 
 
+VARIANTS = ["plain", "empty_cache", "thp_always", "prefault_heap", "prefault_heap_thp_always", "pool", "pool_again",
+            "pool_pinned"]
+#: those run unless --variant names others: the ones ruled out (2026-11-26: empty_cache, prefault_heap) only on demand,
+#: and pool_pinned (not yet run: it may leave the child's driver state unusable) only when named, with the later
+#: stages skipped (--skip-baseline --skip-cycle2 --skip-cycle3)
+DEFAULT_VARIANTS = ["plain", "thp_always", "pool", "pool_again"]
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 _THP_ORIGINAL: dict[str, Any] = {}  # what set_thp changed, put back at exit (also by the watchdog)
 
@@ -725,6 +816,59 @@ def set_thp(enabled: str | None, defrag: str | None) -> dict[str, Any]:
             r = {"ok": False, "error": f"{k}={v}: {type(e).__name__}: {e}"}
     r["now"] = thp_settings()
     return r
+
+
+def threads_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of a process, by thread id."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for t in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            f = (t / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(t.name)] = (int(f[11]) + int(f[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def big_mappings(pid: int, min_bytes: int = 256 << 20) -> dict[str, dict[str, Any]]:
+    """The process's mappings of at least ``min_bytes`` (``/proc/PID/smaps``): size, permissions, what backs them
+    (a path, or anonymous), resident and huge-page bytes, by start address."""
+    maps: dict[str, dict[str, Any]] = {}
+    cur: dict[str, Any] | None = None
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return maps
+    for line in text.splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$", line)
+        if head:
+            size = int(head.group(2), 16) - int(head.group(1), 16)
+            cur = ({"size": size, "perms": head.group(3), "backing": head.group(4) or "anonymous"}
+                   if size >= min_bytes else None)
+            if cur is not None:
+                maps[head.group(1)] = cur
+        elif cur is not None and line.split(":")[0] in ("Rss", "AnonHugePages", "Anonymous", "Locked"):
+            k, v = line.split(":", 1)
+            cur[k] = int(v.split()[0]) * 1024
+    return maps
+
+
+def copy_floor(n: int = 4 * GIB) -> dict[str, Any]:
+    """One CPU thread's copy of ``n`` bytes on this machine: into fresh pages (faulted and zeroed as they are
+    written, as a checkpoint into new pageable memory is) and into pages already faulted in; GB/s."""
+    import numpy as np
+
+    src = np.ones(n, dtype=np.uint8)
+    res: dict[str, Any] = {"bytes": n, "thp": thp_settings()}
+    t = time.perf_counter()
+    dst = np.empty(n, dtype=np.uint8)
+    np.copyto(dst, src)
+    res["fresh_pages_GB_per_s"] = round(n / 1e9 / (time.perf_counter() - t), 2)
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    res["faulted_pages_GB_per_s"] = round(n / 1e9 / (time.perf_counter() - t), 2)
+    del src, dst
+    return res
 
 
 def prefault_heap(n: int) -> dict[str, Any]:
@@ -820,6 +964,8 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
         error("libcuda", e)
         return
     R["driver"] = cu.init()
+    R["custom_storage"] = custom_storage(cu)
+    log(f"custom storage: {R['custom_storage']}")
     R["header"] = header_facts()
     R["cuda_bindings"] = cuda_bindings_facts()
     save()
@@ -862,7 +1008,12 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
     # --- the child: ~10 GiB of tensors and a captured graph
     snap0 = nvml.snapshot()
     t = time.perf_counter()
-    child = Child(["--child", str(n_tensors), str(tensor_mib)], "child")
+    pool_lib = None
+    if opts.pool:
+        pool_lib, why = POOL.library()
+        R["pool_library"] = pool_lib or why
+    child = Child(["--child", str(n_tensors), str(tensor_mib)], "child", {"LD_PRELOAD": pool_lib} if pool_lib else None)
+    R["child_ld_preload"] = pool_lib
     ready = child.read(150)
     R["child"] = {**ready, "start_s": round(time.perf_counter() - t, 2)}
     if not ready.get("ready"):
@@ -1086,7 +1237,7 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
                 break
             s, r = suspended(), resumed()
             rows.append({"suspend_s": s["seconds"], "resume_s": r["seconds"], "host_bytes": s["host_bytes"],
-                         "ok": bool(r["ok"] and s["state_after"] == "CHECKPOINTED" and r["state_after"] == "RUNNING")})
+                         "ok": bool(r["ok"] and s["proc_state_after"] == "T" and r["state_after"] == "RUNNING")})
             log(f"  repeat: {rows[-1]}")
         v = child.ask("verify", 120)
         R["repeats_verify"] = v
@@ -1101,6 +1252,8 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
         rows["thp_before"] = thp0 = thp_settings()
 
         def cycle(name: str, prep: str | None = None) -> None:
+            if name not in (opts.variant or DEFAULT_VARIANTS):
+                return
             if left() < 75 or state(pid) != "RUNNING":
                 rows[name] = {"skipped": "no time left" if left() < 75 else f"child is {state(pid)}"}
                 return
@@ -1139,6 +1292,23 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
         # faults in a block of the footprint first, so a driver allocating through malloc lands on faulted pages;
         # if the driver maps its own memory (mmap) this changes nothing, which the figure then shows
         cycle("prefault_heap", "prefault")
+        # iv. (--pool: worker/ckpt_pool.c preloaded in the child, as the local executor does) the driver's destination
+        # faulted in beforehand: the anatomy showed one driver thread copying into one new mapping at fresh-page speed
+        if R.get("child_ld_preload"):
+            fp = (gpu_used() or 0) - (R["nvml_before_child"].get("used") or 0)
+            for name in ("pool", "pool_again", "pool_pinned"):
+                if name not in (opts.variant or DEFAULT_VARIANTS) or state(pid) != "RUNNING":
+                    continue
+                prep = child.ask(f"pool {fp + (512 << 20)}", 120)
+                pin = child.ask("pin", 120) if name == "pool_pinned" else None
+                cycle(name)
+                if name in rows and isinstance(rows[name], dict):
+                    rows[name]["pool_prepare"] = prep
+                    rows[name]["pool_handed_total"] = child.ask("handed", 30).get("handed")
+                    if pin is not None:
+                        rows[name]["pin"] = pin
+                        rows[name]["unpin_after"] = child.ask("unpin", 30)
+                child.ask("drop", 30)
         if thp_on.get("ok"):  # ii + iii
             set_thp("always", None)
             try:
@@ -1147,10 +1317,62 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
                 set_thp(thp0.get("enabled"), None)
         rows["thp_after"] = thp_settings()
 
+    def anatomy() -> None:
+        # ============ where a checkpoint's time goes (issue 33's 2 s bar): which process and thread burn CPU while
+        # the driver copies, how the target's resident memory grows, and what backs the memory it copies into
+        rows: dict[str, Any] = R.setdefault("anatomy", {})
+
+        def observe(what: str, fn: Any) -> dict[str, Any]:
+            me = os.getpid()
+            cpu_t0, cpu_m0 = threads_cpu(pid), threads_cpu(me)
+            box: dict[str, Any] = {}
+            th = threading.Thread(target=lambda: box.update(r=fn()), daemon=True)
+            t0 = time.monotonic()
+            th.start()
+            curve = []
+            while th.is_alive():
+                th.join(0.25)
+                curve.append([round(time.monotonic() - t0, 2), vm_rss(pid)])
+            wall = time.monotonic() - t0
+            cpu_t1, cpu_m1 = threads_cpu(pid), threads_cpu(me)
+            busy_t = sorted(((round(v - cpu_t0.get(k, 0.0), 2), k) for k, v in cpu_t1.items()), reverse=True)[:4]
+            busy_m = sorted(((round(v - cpu_m0.get(k, 0.0), 2), k) for k, v in cpu_m1.items()), reverse=True)[:3]
+            return {"result": box.get("r"), "wall_s": round(wall, 3), "target_busiest_threads_cpu_s": busy_t,
+                    "target_cpu_s": round(sum(cpu_t1.values()) - sum(cpu_t0.values()), 2),
+                    "caller_busiest_threads_cpu_s": busy_m, "rss_curve": curve, "what": what}
+
+        for mode in (None, "always"):
+            if left() < 60 or state(pid) != "RUNNING":
+                break
+            name = "thp_" + (mode or "as_is")
+            if mode:
+                if not set_thp(mode, None).get("ok"):
+                    continue
+            try:
+                before = big_mappings(pid)
+                row: dict[str, Any] = {"thp": thp_settings(), "floor": copy_floor()}
+                row["suspend"] = observe("suspend()", suspended)
+                after = big_mappings(pid)
+                row["new_mappings"] = {k: v for k, v in after.items() if k not in before}
+                row["resume"] = observe("resume()", resumed)
+                rows[name] = row
+                log(f"  anatomy {name}: suspend {row['suspend']['wall_s']} s, target threads "
+                    f"{row['suspend']['target_busiest_threads_cpu_s']}, caller {row['suspend']['caller_busiest_threads_cpu_s']}; "
+                    f"resume {row['resume']['wall_s']} s, target {row['resume']['target_busiest_threads_cpu_s']}; "
+                    f"floor {row['floor']}; new mappings {row['new_mappings']}")
+            finally:
+                if mode:
+                    set_thp(_THP_ORIGINAL.get("enabled"), None)
+            save()
+        v = child.ask("verify", 120)
+        rows["verify_bit_identical"] = bool(v.get("tensors_bit_identical") and v.get("graph_replay_input1_bit_identical"))
+
     try:
         ok1 = stage("cycle1", cycle1)
         if ok1 and opts.repeat and state(pid) == "RUNNING":
             stage("repeats", repeats)
+        if ok1 and opts.anatomy and state(pid) == "RUNNING":
+            stage("anatomy", anatomy)
         if ok1 and opts.variants and state(pid) == "RUNNING":
             stage("variants", variants)
         if not opts.skip_baseline and state(pid) == "RUNNING" and left() > 120:
@@ -1159,7 +1381,7 @@ def ckpt_experiment(nvml: Nvml, n_tensors: int, tensor_mib: int, opts: argparse.
             stage("cycle2", cycle2)
         if ok1 and state(pid) == "RUNNING" and left() > 30:
             stage("late_probes", late_probes)
-        if ok1 and state(pid) == "RUNNING" and left() > 50:
+        if ok1 and not opts.skip_cycle3 and state(pid) == "RUNNING" and left() > 50:
             stage("cycle3", cycle3)  # last: it leaves the child's GPU state lost
         R["states"]["end"] = state(pid)
         save()
@@ -1248,6 +1470,20 @@ def run_broker() -> dict[str, Any]:
     return r
 
 
+def run_session(a: argparse.Namespace) -> dict[str, Any]:
+    """scripts/gpu_check_session.py in a process of its own, bounded: its JSON, or what it printed."""
+    bound = max(30.0, min(240.0, left() - (10 if a.skip_checkpoint else 120)))
+    r = sh([sys.executable, str(ROOT / "scripts" / "gpu_check_session.py"), "--out", str(OUT_DIR),
+            "--tensors", str(a.tensors), "--tensor-mib", str(a.tensor_mib), "--idle", str(a.session_idle),
+            "--warn", str(a.session_idle / 2)], timeout=bound)
+    path = OUT_DIR / "session.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    res["rc"], res["bound_s"] = r.get("rc"), bound
+    if r.get("rc") != 0:
+        res["tail"] = (r.get("stdout") or "")[-1500:] + (r.get("stderr") or r.get("error") or "")[-1500:]
+    return res
+
+
 # ------------------------------------------------------------------------------------------------ main
 def summary() -> None:
     c = RESULT.get("checkpoint", {})
@@ -1258,6 +1494,12 @@ def summary() -> None:
         cy = c.get(k, {})
         rows.append((k, {x: (cy.get(x) or {}).get("seconds") for x in ("lock", "checkpoint", "restore", "unlock")}
                      | {"passed": cy.get("passed")}))
+    se = RESULT.get("session", {})
+    rows.append(("session (NVML broker)", {"passed": se.get("passed"), "idle suspend": (se.get("idle_suspend") or {})
+                 .get("asked_to_suspended_s"), "next cell to first line": (se.get("next_cell") or {})
+                 .get("to_first_line_s"), "by hand": {k: (se.get("by_hand") or {}).get(k)
+                                                      for k in ("suspend_s", "resume_s")}}))
+    rows.append(("custom storage", c.get("custom_storage")))
     c1 = c.get("cycle1", {})
     rows.append(("cycle1 via suspend()/resume()", {"suspend_s": c1.get("suspend_s"), "resume_s": c1.get("resume_s")}))
     rows += [(f"variant {k}", {x: v.get(x) for x in ("suspend_s", "resume_s", "footprint_bytes", "bit_identical")})
@@ -1290,7 +1532,7 @@ def watchdog() -> None:
 
 
 def main() -> int:
-    global OUT_DIR, _LOG
+    global OUT_DIR, _LOG, DEADLINE_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpulease-gpu-check")
     ap.add_argument("--tensors", type=int, default=int(os.environ.get("GPU_CHECK_TENSORS", 10)),
@@ -1304,8 +1546,23 @@ def main() -> int:
     ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                     help="the designs that might bring suspend/resume under 2 s (torch's cache emptied, transparent "
                          "huge pages, a pre-faulted heap), one cycle each (default on: ~60 s)")
+    ap.add_argument("--variant", action="append", choices=VARIANTS,
+                    help=f"run only these variants (repeatable; default: {', '.join(DEFAULT_VARIANTS)})")
+    ap.add_argument("--pool", action=argparse.BooleanOptionalAction, default=True,
+                    help="preload worker/ckpt_pool.c's library in the child (built with the machine's cc, as the "
+                         "local executor does) and run the pool variants (default on)")
+    ap.add_argument("--anatomy", action="store_true",
+                    help="where a checkpoint's time goes: CPU per thread, resident memory over time, the mappings")
+    ap.add_argument("--skip-cycle3", action="store_true", help="no restore under memory pressure (it loses the state)")
     ap.add_argument("--skip-cpu", action="store_true", help="no SIGSTOP/SIGCONT timing of a CPU-only process")
+    ap.add_argument("--skip-session", action="store_true",
+                    help="no idle --session through a broker on the NVML inventory (scripts/gpu_check_session.py)")
+    ap.add_argument("--session-idle", type=float, default=8.0,
+                    help="the session's idle timeout in that step, seconds (its countdown: the last half)")
+    ap.add_argument("--skip-checkpoint", action="store_true", help="no checkpoint experiment (the child, its cycles)")
+    ap.add_argument("--bound", type=float, default=DEADLINE_S, help=f"seconds for the whole run (default {DEADLINE_S:g})")
     a = ap.parse_args()
+    DEADLINE_S = a.bound
     OUT_DIR = Path(a.out)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     _LOG = open(OUT_DIR / "gpu_check.log", "a")
@@ -1347,12 +1604,21 @@ def main() -> int:
         except Exception as e:
             error("cpu_only", e)
         save()
-    log(f"checkpoint experiment: {a.tensors} x {a.tensor_mib} MiB")
-    ckpt_experiment(nvml, a.tensors, a.tensor_mib, a)
+    if not a.skip_session:
+        log("an idle --session through a broker on the NVML inventory (scripts/gpu_check_session.py)")
+        try:
+            RESULT["session"] = run_session(a)
+            log(f"  passed: {RESULT['session'].get('passed')}; errors {RESULT['session'].get('errors')}")
+        except Exception as e:
+            error("session", e)
+        save()
+    if not a.skip_checkpoint:
+        log(f"checkpoint experiment: {a.tensors} x {a.tensor_mib} MiB")
+        ckpt_experiment(nvml, a.tensors, a.tensor_mib, a)
     save()
     summary()
     c = RESULT.get("checkpoint", {})
-    ok = (not RESULT["errors"] and c.get("cycle1", {}).get("passed")
+    ok = (not RESULT["errors"] and (a.skip_checkpoint or c.get("cycle1", {}).get("passed"))
           and (a.skip_tests or RESULT.get("pytest", {}).get("rc") == 0))
     return 0 if ok else 1
 

@@ -55,6 +55,7 @@ class Kernel:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")}
         env.update({"GPULEASE_BROKER": broker_url, "GPULEASE_ARTIFACT_ROOT": artifact_root, **(extra_env or {})})
         self.km = KernelManager(kernel_name="python3")
+        self.log = log
         if log is not None:
             with open(log, "ab") as f:  # the kernel keeps its own descriptor
                 self.km.start_kernel(env=env, stderr=f)
@@ -66,6 +67,12 @@ class Kernel:
         self.stray: list[dict[str, Any]] = []  # iopub messages of other cells (e.g. --bg output)
         r = self.run("%load_ext jupyter_gpulease")
         assert r.status == "ok", r.outputs
+
+    def log_lines(self, text: str) -> list[str]:
+        """The lines of the kernel's log (``log``) with ``text``."""
+        assert self.log is not None, "the kernel was started without log="
+        with open(self.log, errors="replace") as f:
+            return [line.rstrip("\n") for line in f if text in line]
 
     @property
     def pid(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -51,3 +52,16 @@ def process_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):  # gone (also while /proc is read)
         return False
+
+
+def largest_anonymous_rss(pid: int) -> int:
+    """The resident bytes of the process's largest anonymous mapping (``/proc/PID/smaps``): e.g. a checkpoint
+    region faulted in (``worker/ckpt_pool``)."""
+    best, anonymous = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line; 5 fields: no file behind it
+            anonymous = len(head) == 5
+        elif line.startswith("Rss:") and anonymous:
+            best = max(best, int(line.split()[1]) * 1024)
+    return best

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..wire import fastpath, transfer
+from ..worker import ckpt_pool
 from ..worker.env import worker_env
 from .base import Executor, OutputDecoder, Sink, Worker, WorkerCrashed
 
@@ -34,7 +35,7 @@ class LocalWorker(Worker):
 
     def __init__(self, python: str | None = None, preload: list[str] | None = None, session: bool = False) -> None:
         r, w = os.pipe()
-        env = worker_env({"GPULEASE_CTRL_FD": str(w)})
+        env = ckpt_pool.preload_env(worker_env({"GPULEASE_CTRL_FD": str(w)}))
         cmd = [python or sys.executable, "-m", "jupyter_gpulease.worker"]
         if session:
             cmd.append("--session")

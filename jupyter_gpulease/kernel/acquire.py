@@ -159,6 +159,13 @@ class Holdings:
 HOLDINGS = Holdings()
 
 
+def kernel_log(text: str) -> None:
+    """A line in the kernel's log (its own stderr), not in a cell's output: what an admin reads, no user waits on."""
+    log = sys.__stderr__ or sys.stderr
+    log.write(text + "\n")
+    log.flush()
+
+
 def holder_text(request: dict[str, Any]) -> str:
     """What holds a lease, from its request's labels, for the kernel's log: ``--bg job1``, ``--session m``, a
     cell, or the Python API."""

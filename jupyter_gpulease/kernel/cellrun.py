@@ -24,7 +24,7 @@ from ..client import BrokerClient, BrokerError
 from ..executors.base import Sink, Worker, WorkerCrashed
 from ..lease_view import LeaseView
 from ..wire import transfer, vmcopy
-from ..wire.fastpath import ATTACH_AFTER, later
+from ..wire.fastpath import ATTACH_AFTER, later, on_pool
 from .acquire import HOLDINGS, Heartbeater, ended_text, release_quietly
 from .drive import Sinks, drive
 from .suspending import Suspender
@@ -227,7 +227,7 @@ class LeaseRun:
         self.suspender.worker = worker
         if worker.local and worker.pid not in self._attached:
             self._attached.add(worker.pid)
-            _IO.submit(self._attach, worker)  # in flight while the job runs (never waited for: see _attach)
+            on_pool(_IO, self._attach, worker)  # in flight while the job runs (never waited for: see _attach)
         self.heartbeater.set_active(self.lease.id, True)
         oob_dir = None  # this user's shm directory, where a file is needed at all
         outcome = Outcome(self.lease, queued=self.queued, artifacts=self.artifacts.display_path)

@@ -64,6 +64,8 @@ def _drive(worker: Worker, job: dict[str, Any], hold: list[Any] | None, sinks: S
             if msg is None:
                 continue
             kind = msg.get("type")
+            if kind == "ckpt_pool":  # a late answer to a prepare the session stopped waiting for (worker.ckpt_pool)
+                continue
             if kind == "vm_dest":
                 reply = _copying(worker, transfer.push, worker.pid, hold or [], msg, job["oob_dir"])
                 if reply is None:

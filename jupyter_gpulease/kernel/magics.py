@@ -29,7 +29,7 @@ from ..executors.local import LocalExecutor, WarmPool
 from ..lease_view import LeaseView
 from ..wire import fastpath
 from ..wire.fastpath import REFILL_DELAY, later
-from .acquire import HOLDINGS, GpuError, Heartbeater, LeaseUnavailable, acquire, gpu_error
+from .acquire import HOLDINGS, GpuError, Heartbeater, LeaseUnavailable, acquire, gpu_error, kernel_log
 from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
 from .cellrun import CellError, Job, LeaseRun, summary_line
@@ -360,7 +360,7 @@ class GpuMagics(Magics):
                 if not s.alive():  # its state was lost: the session ended
                     self.sessions.discard(name)
                 raise
-            s.busy = True
+            s.busy, s.pool = True, False  # the worker gives back a prepared checkpoint region at its next job
             try:
                 outcome = s.run.run(s.worker, job, default_sinks(), opts["grace"], single_use=False,
                                     extra=s.job_extra())
@@ -419,10 +419,8 @@ class GpuMagics(Magics):
         HOLDINGS.release_all(SHUTDOWN_REASON)
         if held:
             n = len(held)
-            log = sys.__stderr__ or sys.stderr  # the kernel's own stderr (its log), not a cell's
-            log.write(f"gpulease: released {n} lease{'s' if n != 1 else ''} at kernel shutdown: "
-                      + ", ".join(f"{lease_id} ({what})" for lease_id, what in held.items()) + "\n")
-            log.flush()
+            kernel_log(f"gpulease: released {n} lease{'s' if n != 1 else ''} at kernel shutdown: "
+                       + ", ".join(f"{lease_id} ({what})" for lease_id, what in held.items()))
         fastpath.RESULTS.drop()
         for executor in self.executors.values():
             executor.shutdown()

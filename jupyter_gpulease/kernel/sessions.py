@@ -29,12 +29,14 @@ from ..executors.base import Worker, WorkerCrashed
 from ..lease_view import LeaseView
 from ..tables import fmt_bytes
 from ..worker import park
-from .acquire import gpu_error, wait_resumed
+from .acquire import gpu_error, kernel_log, wait_resumed
 from .cellrun import LeaseRun
 from .suspending import Suspender
 
 #: seconds a worker may take to park its state when the kernel asks (a large model to host memory)
 PARK_TIMEOUT = 600.0
+#: seconds a worker may take to fault in its checkpoint region (measured: 1.6-2.0 s for 12 GB, H200)
+POOL_TIMEOUT = 60.0
 
 
 @dataclass
@@ -53,6 +55,10 @@ class Session:
     parked: dict[str, Any] | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)  # a cell or a park at a time
     busy: bool = False  # a cell runs in it now
+    #: the worker's region for the driver's next checkpoint is faulted in (``worker.ckpt_pool``), until its next job
+    pool: bool = False
+    #: one prepare at a time: a suspension waits for the warning's to finish (never stopping a worker mid-job)
+    preparing: threading.Lock = field(default_factory=threading.Lock)
     shell: Any = None  # the IPython shell its messages go through
 
     @property
@@ -68,7 +74,58 @@ class Session:
         sp = self.run.suspender
         sp.worker, sp.label = self.worker, f"session {self.name!r}"
         sp.say = lambda text: self._say(text, self.shell)
+        sp.prepare = self.prepare_pool
         return sp
+
+    def prepare_pool(self) -> None:
+        """Fault in the worker's host memory for the driver's checkpoint now (``worker.ckpt_pool``), so that a
+        suspension copies at the speed of pages already faulted in: at the idle warning (off the heartbeat thread),
+        and before suspending an idle session that was not prepared. Nothing while a cell runs (the session is not
+        idle, and its lock is taken), for a worker on another node, without GPU memory, or when done already.
+        A second call while one runs (the broker's ask soon after the warning) waits for it."""
+        with self.preparing:
+            if self.pool or not self.lock.acquire(blocking=False):
+                return
+            try:
+                if self.busy or self.suspended or not self.worker.local or not self.worker.alive():
+                    return
+                self.pool = self._prepare_pool()
+            except (WorkerCrashed, OSError):
+                return
+            finally:
+                self.lock.release()
+
+    def _prepare_pool(self) -> bool:
+        """Ask the worker for the region and wait for its answer; whether it has one. A region it could not make is
+        said in the kernel's log (the suspension then copies at page-fault speed)."""
+        from ..worker import ckpt_pool
+        from .suspending import worker_pids
+
+        if ckpt_pool.library()[0] is None:  # turned off, or no compiler: the worker has no region to make
+            return False
+        if any(isinstance(d, dict) and d.get("mig") for d in self.run.lease.devices):
+            # a MIG slice: the driver does not checkpoint it (NVIDIA/cuda-checkpoint#42, "out of memory"), and the
+            # broker counts the worker's CPU time as activity there: faulting in would put off the idle suspension
+            return False
+        nbytes = ckpt_pool.gpu_footprint(worker_pids(self.worker.pid))
+        if not nbytes:
+            return False
+        self.worker.submit({"type": "ckpt_pool", "nbytes": nbytes + ckpt_pool.MARGIN})
+        deadline = time.monotonic() + POOL_TIMEOUT
+        while time.monotonic() < deadline:
+            msg = self.worker.poll(0.5, self._quiet, self._quiet)
+            if msg is not None and msg.get("type") == "ckpt_pool":
+                if not msg.get("ok"):
+                    kernel_log(f"gpulease: session {self.name!r}: no checkpoint region ({msg.get('why')}); "
+                               "a suspension copies its GPU memory at page-fault speed")
+                return bool(msg.get("ok"))
+        kernel_log(f"gpulease: session {self.name!r}: its worker did not fault in a checkpoint region within "
+                   f"{POOL_TIMEOUT} s")
+        return False
+
+    @staticmethod
+    def _quiet(text: str) -> None:
+        """Output of an idle worker while it prepares (none is expected): dropped."""
 
     @property
     def suspended(self) -> bool:
@@ -207,13 +264,19 @@ class Session:
         """Called from the heartbeat thread with the broker's view of the lease (a live one: the broker answers a
         heartbeat for an ended lease with 409, and ``on_gone`` runs)."""
         self.suspender.ask(view, running=self.busy)
-        if view.phase == "suspended":  # no idle countdown
+        if view.phase == "suspended":  # no idle countdown; a prepared region was the checkpoint's
+            self.pool = False
             return
         deadline = view.idle_deadline
-        if deadline and not self.warned and deadline - time.time() <= warn_window:
+        # never while a cell runs: its heartbeats count as activity (a beat the load delayed can bring the deadline
+        # near), and a warning then would mark the session warned before it is idle, and its region unprepared
+        if deadline and not self.warned and not self.busy and deadline - time.time() <= warn_window:
             self.warned = True
+            suspends = self.run.suspender.enabled and not self.run.suspender.why_not()
+            if suspends:  # the checkpoint's memory, faulted in while nobody waits (worker.ckpt_pool)
+                threading.Thread(target=self.prepare_pool, name="gpulease-ckpt-pool", daemon=True).start()
             then = ("its processes will be suspended until its next cell, every variable kept"
-                    if self.run.suspender.enabled and not self.run.suspender.why_not()
+                    if suspends
                     else f"its variables will be parked {self.parked_where()} until its next cell" if self.park_target
                     else "its variables will be gone")
             self._say(

@@ -98,6 +98,8 @@ class Suspender:
         self.lost = ""  # why the worker's state was lost at a resume ('' unless it was)
         self._lock = threading.RLock()
         self._asked = 0.0  # the deadline of the ask being handled (one thread per ask)
+        #: called before a checkpoint: faults in the worker's host memory for it (a session's, while idle)
+        self.prepare: Callable[[], None] | None = None
 
     @property
     def suspended(self) -> bool:
@@ -170,6 +172,8 @@ class Suspender:
         why, the broker then does what it would have done without suspension, and the message says so)."""
         from ..worker import suspend
 
+        if self.prepare is not None and self.view is None and not self.why_not():
+            self.prepare()  # outside the lock: the heartbeat thread's ask takes it
         with self._lock:
             if self.view is not None:
                 return self.view

@@ -37,7 +37,7 @@ from . import vmcopy
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
     from typing import Any
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14); Python's mmap module names it from 3.12 on
@@ -61,7 +61,7 @@ _later_pool: ThreadPoolExecutor | None = None
 _later_lock = threading.Lock()
 
 
-def later(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+def later(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` on one of the kernel's background threads (kernel side only), started once and idle between
     cells: ``Thread.start`` waits until the new thread has run, which took up to 5 ms on a busy host, three times a
     cell, on the cell's critical path; a task handed to an idle thread costs a queue put."""
@@ -72,7 +72,19 @@ def later(fn: Callable[..., Any], *args: Any) -> Future[Any]:
 
             _later_pool = ThreadPoolExecutor(max_workers=LATER_THREADS, thread_name_prefix="gpulease-later")
         pool = _later_pool
-    return pool.submit(fn, *args)
+    on_pool(pool, fn, *args)
+
+
+def on_pool(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``pool``, or on a daemon thread of its own once the interpreter is exiting. From then on
+    (``threading``'s exit hooks, before ``atexit``'s) every pool refuses new work with a ``RuntimeError``: a ``--bg``
+    cell whose worker was still starting when its kernel was asked to shut down then failed in its thread and gave
+    its lease back as "released" just before the kernel's own shutdown said "kernel_shutdown"
+    (``test_a_bg_cell_that_starts_while_its_kernel_exits_ends_with_the_kernels_shutdown``)."""
+    try:
+        pool.submit(fn, *args)
+    except RuntimeError:
+        threading.Thread(target=fn, args=args, daemon=True).start()
 
 
 _populate_works: bool | None = None

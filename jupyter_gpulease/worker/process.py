@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     kernel = _Kernel(ctrl, jobs)
     held = Held()
     parking = _Parking(jobs)
+    pooled = False  # a checkpoint region is prepared (worker/ckpt_pool.py)
     if session:
         _signal.signal(_signal.SIGTERM, parking.on_term)
     while True:
@@ -420,6 +421,18 @@ def main(argv: list[str] | None = None) -> None:
             break
         if job.get("park"):
             parking.target = job["park"]
+        if job.get("type") == "ckpt_pool":  # the checkpoint's host memory, faulted in before a suspension
+            from . import ckpt_pool
+
+            reply = ckpt_pool.prepare(int(job["nbytes"]))
+            pooled = pooled or bool(reply.get("ok"))
+            kernel.send({"type": "ckpt_pool", **reply})
+            continue
+        if pooled:  # a job: the session is in use again, give back a region no checkpoint took
+            from . import ckpt_pool
+
+            ckpt_pool.drop()
+            pooled = False
         if job.get("type") == "hold":  # memory for the next job's values, faulted in while this worker waits
             held.make(int(job["nbytes"]), int(job.get("heap") or 0), lambda: not jobs.empty())
             continue

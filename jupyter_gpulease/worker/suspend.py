@@ -9,9 +9,10 @@ all (the simulated inventory, CPU-only hosts) that is the whole of it. ``capabil
 
 Order, from the measurements on H100/H200 with driver 580 (docs/gpu-checks.md):
 
-- suspend = lock (0.5 ms) -> checkpoint (~6 s for a 13.8 GB footprint, at ~2.3 GB/s into pageable memory) ->
-  SIGSTOP. The lock waits for the process's submitted GPU work (bounded by ``timeout``).
-- resume = SIGCONT -> restore (~2.2 s) -> unlock (1 ms). The driver restores on a thread inside the target, so a
+- suspend = lock (0.5 ms) -> checkpoint (5.0-6.5 s for an 11.8 GB footprint: one driver thread in the target
+  copying into fresh pageable memory at page-fault speed; 1.8-2.3 s into a region the worker faulted in ahead,
+  ``ckpt_pool``) -> SIGSTOP. The lock waits for the process's submitted GPU work (bounded by ``timeout``).
+- resume = SIGCONT -> restore (1.9-2.8 s; 1.5-2.2 s from the region's huge pages) -> unlock (1 ms). The driver restores on a thread inside the target, so a
   restore does not finish while the target is stopped: SIGCONT must come first.
 - A restore that fails (CUDA_ERROR_OUT_OF_MEMORY while another process holds the GPU's memory) loses the process's
   GPU state: every later restore fails with CUDA_ERROR_OPERATING_SYSTEM. ``ResumeError`` says so; the caller must

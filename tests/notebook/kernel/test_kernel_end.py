@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pty
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,6 +133,50 @@ def test_a_clean_kernel_shutdown_gives_back_its_leases_and_says_so(broker, kerne
     assert "--bg hold" in line and "--session m" in line
 
 
+def test_a_bg_cell_that_starts_while_its_kernel_exits_ends_with_the_kernels_shutdown(broker, kernels,
+                                                                                     tmp_path: Path) -> None:
+    """A ``--bg`` cell granted while its kernel is already exiting (JupyterLab stopped under load: the cell's
+    thread was still getting its lease). From the interpreter's exit on, its thread pools take nothing new: the
+    cell's thread failed with a RuntimeError and gave its lease back as "released", ahead of the kernel's shutdown.
+    Here the kernel's exit is held (an ``atexit`` hook of the user's, which runs before the extension's) while the
+    GPUs the cell waits for free up, until the cell's worker is attached to its lease (or the lease ended): the cell
+    starts, and its lease ends with the kernel's shutdown."""
+    log = tmp_path / "kernel.log"
+    k = kernels(broker, log=str(log))
+    c = broker.client()
+    blocker = c.request_lease(gpus=4)  # every GPU: the --bg cell queues
+    exiting, go = tmp_path / "exiting", tmp_path / "go"
+    _started(k, "%%gpu 4 --bg hold\n" + LOOP, "runs in the background")
+    (queued,) = wait_for(lambda: [x for x in _mine(c) if x.state == "queued"], 10, "the --bg cell's request")
+    r = k.run("import atexit, pathlib, time\n"
+              "def hold_exit():\n"
+              f"    pathlib.Path({str(exiting)!r}).touch()\n"
+              "    deadline = time.monotonic() + 10\n"
+              f"    while not pathlib.Path({str(go)!r}).exists() and time.monotonic() < deadline:\n"
+              "        time.sleep(0.02)\n"
+              "atexit.register(hold_exit)")
+    assert r.status == "ok", r.outputs
+    exit_clock = ExitClock(k.pid)
+    k.kc.stop_channels()
+    stopping = threading.Thread(target=k.km.shutdown_kernel, kwargs={"now": False})
+    stopping.start()
+    try:
+        wait_for(exiting.exists, 10, "the kernel to be exiting")
+        c.release(blocker.id)  # the cell is granted now, with its kernel's exit under way
+        wait_for(lambda: (v := c.lease(queued.id)).pids or v.ended_at, 10,
+                 "the cell's worker attached to its lease, or the lease ended")
+        go.touch()
+        exited = exit_clock.wait(30)
+    finally:
+        go.touch()
+        stopping.join(30)
+    (view,) = _ended_within(c, {queued.id}, exited)
+    assert view.granted_at, f"the cell was never granted: {view.state} ({view.reason})"
+    assert (view.state, view.reason) == ("released", "kernel_shutdown"), (view.state, view.reason,
+                                                                          log.read_text()[-2000:])
+    assert any(queued.id in line for line in k.log_lines("at kernel shutdown")), log.read_text()[-2000:]
+
+
 def _kernel_pid(kernel_id: str) -> int:
     """The pid of the kernel process a Jupyter server started for ``kernel_id`` (its connection file names it)."""
     for entry in os.listdir("/proc"):
@@ -177,7 +222,8 @@ def test_stopping_jupyterlab_ends_a_background_cells_lease(broker, tmp_path: Pat
         exited = exit_clock.wait(30)
         lab.proc.wait(30)
         (view,) = _ended_within(c, {lease.id}, exited)
-        assert (view.state, view.reason) == ("released", "kernel_shutdown"), (view.state, view.reason)
+        assert (view.state, view.reason) == ("released", "kernel_shutdown"), (view.state, view.reason,
+                                                                            lab.log()[-3000:])
         assert any(lease.id in line and "kernel shutdown" in line and "--bg hold" in line
                    for line in lab.log().splitlines())
     finally:

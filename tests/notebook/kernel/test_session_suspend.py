@@ -6,7 +6,10 @@ request (``preempt_mode = "suspend"``) is resumed when its GPUs are free again a
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +17,9 @@ from typing import Any
 
 import pytest
 from fake_cuda import FakeCuda, compiler
-from kernels import Kernel
-from waiting import process_alive, wait_for
+from fake_nvml import FakeNvml, FakeProc
+from kernels import Kernel, Reply
+from waiting import largest_anonymous_rss, process_alive, wait_for
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -37,13 +41,15 @@ def _proc_state(pid: int) -> str:
 
 @pytest.fixture
 def stage(broker_factory, tmp_path: Path) -> Iterator[Any]:
-    """``stage(gpus, *broker_args)``: a real broker (fast ticks) and a real kernel on it that beats often, as
-    (kernel, client); the session ``m`` is stopped and both are closed after the test."""
+    """``stage(gpus, *broker_args, env=..., broker_env=...)``: a real broker (fast ticks) and a real kernel on it that
+    beats often (``env``: more of the kernel's environment, e.g. a fake libcuda), as (kernel, client); the session ``m`` is
+    stopped and both are closed after the test."""
     made: list[tuple[Kernel, BrokerClient]] = []
 
-    def make(gpus: int = 1, *args: str) -> tuple[Kernel, BrokerClient]:
-        b = broker_factory(gpus=gpus, args=["--tick=0.1", *args], name=f"broker{len(made)}")
-        k = Kernel(b.url, str(tmp_path / "art"))
+    def make(gpus: int = 1, *args: str, env: dict[str, str] | None = None,
+             broker_env: dict[str, str] | None = None) -> tuple[Kernel, BrokerClient]:
+        b = broker_factory(gpus=gpus, args=["--tick=0.1", *args], name=f"broker{len(made)}", env=broker_env)
+        k = Kernel(b.url, str(tmp_path / "art"), env, log=str(tmp_path / f"kernel{len(made)}.log"))
         assert k.run("%config GpuMagics.heartbeat_interval = 0.3").status == "ok"
         made.append((k, b.client()))
         return made[-1]
@@ -176,37 +182,179 @@ def test_the_lease_view_stays_suspended_while_the_kernel_beats(stage) -> None:
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler (gcc or $CC) to build the fake libcuda")
-def test_with_the_fake_libcuda_a_session_is_checkpointed_and_restored_on_another_gpu(broker_factory,
-                                                                                      tmp_path: Path) -> None:
+def test_with_the_fake_libcuda_a_session_is_checkpointed_and_restored_on_another_gpu(stage, tmp_path: Path) -> None:
     fake = FakeCuda(tmp_path / "cuda")
-    b = broker_factory(gpus=2, args=["--tick=0.1"])
-    c = b.client()
-    k = Kernel(b.url, str(tmp_path / "art"), fake.env())
+    k, c = stage(2, env=fake.env())
+    r1 = k.run("%%gpu --session m\nimport ctypes, os\nassert ctypes.CDLL(os.environ['GPULEASE_LIBCUDA']).cuInit(0) == 0"
+               "\nx = [1, 2, 3]\ngen = iter(range(5))\nprint(os.getpid())")
+    assert r1.status == "ok", r1.outputs
+    pid = int(_printed(r1).split()[0])
+    lease = _lease_of(c, "session", "m")
+    old_gpu = lease["devices"][0]["id"]
+
+    assert k.run("%gpu session suspend m").status == "ok"
+    view = c.lease(lease["id"])
+    assert view["suspended"]["how"] == "checkpoint" and view["suspended"]["devices"] == [old_gpu], view.raw
+    assert fake.state(pid) == "CHECKPOINTED" and _proc_state(pid) == "T"
+    others = [c.request_lease(1, wait=10) for _ in range(2)]  # both GPUs serve others: its own among them
+    keep = next(o for o in others if o.devices[0]["id"] != old_gpu)
+    c.release(keep.id)  # the other GPU is free, its own still held
+
+    r2 = k.run("%%gpu --session m\nprint(os.getpid(), x, next(gen))")
+    assert r2.status == "ok", r2.outputs
+    assert _printed(r2).split() == [str(pid), "[1,", "2,", "3]", "0"], r2.stdout
+    after = c.lease(lease["id"])
+    assert after.devices[0]["id"] != old_gpu
+    assert fake.state(pid) == "RUNNING"
+    assert any(call.startswith("restore " + old_gpu) for call in fake.calls(pid)), fake.calls(pid)
+
+
+def _region_session(stage, tmp_path: Path, memory: int, broker_args: tuple[str, ...] = (),  # type: ignore[no-untyped-def]
+                    kernel_config: tuple[str, ...] = (), mig: bool = False) -> tuple[Any, ...]:
+    """A session ``m`` (idle timeout 6 s) whose worker the fake NVML reports holding ``memory`` bytes of GPU memory
+    before its first cell ends (so before any idle warning can read NVML), on a host the fake libcuda makes
+    checkpoint-capable: (kernel, client, fake libcuda, worker pid, lease id, the region's size). ``mig``: the
+    broker on the NVML inventory, its one GPU in MIG mode with one slice, the worker on that slice."""
+    from jupyter_gpulease.worker import ckpt_pool
+
+    fake, nvml = FakeCuda(tmp_path / "cuda"), FakeNvml.standard(tmp_path / "nvml.state", n=1)
+    if mig:
+        nvml.split(0, [("3g.40gb", 40 << 30)])
+        broker_args = ("--inventory=nvml", "--LeaseBroker.sample_seconds=0.2", *broker_args)
+    k, c = stage(1, "--LeasePolicy.warn_before_seconds=1", "--LeasePolicy.suspend_idle=True", *broker_args,
+                 env={**fake.env(), **nvml.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")},
+                 broker_env=nvml.env() if mig else None)
+    for line in kernel_config:
+        assert k.run(line).status == "ok"
+    go = tmp_path / "go"
+    msg = k.submit("%%gpu --session m --idle 6s\nimport ctypes, os, time\n"
+                   "assert ctypes.CDLL(os.environ['GPULEASE_LIBCUDA']).cuInit(0) == 0\nx = 41\n"
+                   f"print(os.getpid(), flush=True)\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)")
+    first = k.collect(msg, 60, until=lambda outs: _printed(Reply("partial", outs)).strip())
+    pid = int(_printed(first).split()[0])
+    nvml.procs = [FakeProc(gpu=0, pid=pid, memory=memory, mig=0 if mig else -1)]
+    nvml.write()
+    go.touch()
+    r1 = k.collect(msg, 60)
+    assert r1.status == "ok", r1.outputs
+    return k, c, fake, pid, _lease_of(c, "session", "m")["id"], memory + ckpt_pool.MARGIN
+
+
+def _region_state(k: Kernel, c: BrokerClient, fake: FakeCuda, pid: int, lease_id: str) -> str:
+    """What a failed region check shows: the worker, the fake driver's state, the lease, the kernel's log lines."""
+    return (f"worker {_proc_state(pid)}, largest anonymous RSS {largest_anonymous_rss(pid)}, fake driver "
+            f"{fake.state(pid)}, lease {c.lease(lease_id).raw}, kernel log {k.log_lines('gpulease: session')}")
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C compiler (gcc or $CC) to build the fake libcuda and the region's "
+                                               "library")
+def test_an_idle_session_faults_in_its_checkpoint_region_at_the_warning_before_the_ask(stage, tmp_path: Path) -> None:
+    """The kernel, warned that the session will be suspended for idleness, has the worker fault in a region of its
+    GPU footprint (NVML's, here the fake's: 64 MiB, plus the margin) before the broker asks; the worker gives it back
+    at the session's next job. The driver's checkpoint that would write into it is the fake's (it copies nothing)."""
+    k, c, fake, pid, lease_id, want = _region_session(stage, tmp_path, 64 << 20)
+    assert largest_anonymous_rss(pid) < want
     try:
-        assert k.run("%config GpuMagics.heartbeat_interval = 0.3").status == "ok"
-        r1 = k.run("%%gpu --session m\nimport ctypes, os\nassert ctypes.CDLL(os.environ['GPULEASE_LIBCUDA']).cuInit(0) == 0"
-                   "\nx = [1, 2, 3]\ngen = iter(range(5))\nprint(os.getpid())")
-        assert r1.status == "ok", r1.outputs
-        pid = int(_printed(r1).split()[0])
-        lease = _lease_of(c, "session", "m")
-        old_gpu = lease["devices"][0]["id"]
+        wait_for(lambda: largest_anonymous_rss(pid) >= want, 20, "the worker's checkpoint region, faulted in at the "
+                                                                "warning")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {_region_state(k, c, fake, pid, lease_id)}") from None
+    view = c.lease(lease_id)
+    assert view.get("phase") == "holding" and view.get("suspend") is None, view.raw  # before the broker's ask
+    _phase(c, lease_id, "suspended")
+    assert fake.state(pid) == "CHECKPOINTED"
+    r2 = k.run("%%gpu --session m\nprint(x + 1)")
+    assert r2.status == "ok" and _printed(r2).split() == ["42"], r2.outputs
+    wait_for(lambda: largest_anonymous_rss(pid) < want, 10, "the region given back at the session's next job")
 
-        assert k.run("%gpu session suspend m").status == "ok"
-        view = c.lease(lease["id"])
-        assert view["suspended"]["how"] == "checkpoint" and view["suspended"]["devices"] == [old_gpu], view.raw
-        assert fake.state(pid) == "CHECKPOINTED" and _proc_state(pid) == "T"
-        others = [c.request_lease(1, wait=10) for _ in range(2)]  # both GPUs serve others: its own among them
-        keep = next(o for o in others if o.devices[0]["id"] != old_gpu)
-        c.release(keep.id)  # the other GPU is free, its own still held
 
-        r2 = k.run("%%gpu --session m\nprint(os.getpid(), x, next(gen))")
-        assert r2.status == "ok", r2.outputs
-        assert _printed(r2).split() == [str(pid), "[1,", "2,", "3]", "0"], r2.stdout
-        after = c.lease(lease["id"])
-        assert after.devices[0]["id"] != old_gpu
-        assert fake.state(pid) == "RUNNING"
-        assert any(call.startswith("restore " + old_gpu) for call in fake.calls(pid)), fake.calls(pid)
+@pytest.mark.skipif(compiler() is None, reason="no C compiler (gcc or $CC) to build the fake libcuda and the region's "
+                                               "library")
+def test_an_ask_that_comes_while_the_region_is_faulted_in_waits_for_it(stage, tmp_path: Path) -> None:
+    """The idle warning 0.5 s before the broker's ask and a 3 GiB region (seconds to fault in here): the ask comes
+    while the worker faults the region in. (The worker's CPU time is not activity here, as on a whole GPU, where
+    the broker reads GPU utilisation: its faulting-in does not put the ask off.) The suspension waits for the
+    worker's answer (it used to stop the worker before it answered: the warning's thread then held the session for
+    a minute, and the next cell waited for it) and checkpoints a worker whose region is whole; the next cell runs at
+    once and the region is given back."""
+    k, c, fake, pid, lease_id, want = _region_session(
+        stage, tmp_path, 3 << 30, ("--SimulatedInventory.activity_cpu_seconds=1000",),
+        ("%config GpuMagics.idle_warning_seconds = 0.5",))
+    _phase(c, lease_id, "suspended")
+    assert fake.state(pid) == "CHECKPOINTED" and _proc_state(pid) == "T"
+    assert largest_anonymous_rss(pid) >= want, _region_state(k, c, fake, pid, lease_id)
+    r2 = k.run("%%gpu --session m\nprint(x + 1)", timeout=30)
+    assert r2.status == "ok" and _printed(r2).split() == ["42"], r2.outputs
+    assert not k.log_lines("gpulease: session 'm'"), k.log_lines("gpulease: session 'm'")
+    wait_for(lambda: largest_anonymous_rss(pid) < want, 10, "the region given back at the session's next job")
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C compiler (gcc or $CC) to build the fake libcuda and the region's "
+                                               "library")
+def test_a_session_on_a_mig_slice_gets_no_region_and_its_idle_clock_runs_on(stage, tmp_path: Path) -> None:
+    """On a MIG slice the driver does not checkpoint (NVIDIA/cuda-checkpoint#42) and the broker counts the lease's
+    CPU time as activity (NVML has no utilisation counters for a slice): a region faulted in at the warning would
+    be wasted and would put the idle suspension off by a whole timeout. No region is made, and the idle deadline
+    the broker shows never moves once the cell has ended (it moved 3 s on when the region was faulted in)."""
+    k, c, fake, pid, lease_id, want = _region_session(stage, tmp_path, 256 << 20, mig=True)
+    view = c.lease(lease_id)
+    assert view.devices[0]["mig"], view.raw
+    deadlines: list[float] = []
+
+    def suspended() -> bool:
+        v = c.lease(lease_id)
+        assert largest_anonymous_rss(pid) < want, _region_state(k, c, fake, pid, lease_id)
+        if v.get("idle_deadline"):
+            deadlines.append(float(v["idle_deadline"]))
+        return v.get("phase") == "suspended"
+
+    wait_for(suspended, 30, f"lease {lease_id} suspended for idleness")
+    assert deadlines and max(deadlines) - min(deadlines) < 0.5, deadlines
+    r2 = k.run("%%gpu --session m\nprint(x + 1)", timeout=30)
+    assert r2.status == "ok" and _printed(r2).split() == ["42"], r2.outputs
+
+
+def test_the_device_session_check_passes_on_the_simulated_inventory(tmp_path: Path) -> None:
+    """scripts/gpu_check_session.py, the end-to-end step of ``make gpu-check`` on a real GPU, with numpy arrays on
+    the simulated inventory: the same broker, kernel and steps, so the device run does not find it broken."""
+    root = Path(__file__).parents[3]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "gpu_check_session.py"), "--out", str(tmp_path),
+                        "--inventory", "simulated", "--payload", "cpu", "--tensors", "2", "--tensor-mib", "8",
+                        "--idle", "2", "--warn", "1"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    res = json.loads((tmp_path / "session.json").read_text())
+    assert r.returncode == 0 and res["passed"] and not res["errors"], (res, r.stdout[-2000:])
+    assert res["idle_suspend"]["suspended"]["why"] == "idle" and res["idle_suspend"]["worker_state"] == "T"
+    assert res["by_hand"]["worker_state_suspended"] == "T" and res["by_hand"]["view"]["why"] == "user"
+    for row in (res["next_cell"], res["after_hand_resume"]):
+        assert row["tensors_differing"] == [] and row["checksums_equal"] and row["lock_held"], row
+
+
+def test_no_idle_warning_while_the_sessions_cell_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A heartbeat reply whose idle deadline is near while the session's cell runs (the cell's heartbeats count as
+    activity; one the load delayed can bring the deadline near): no warning, and the session is not marked warned,
+    so the warning (and the checkpoint region faulted in at it) comes once the session is idle."""
+    from jupyter_gpulease.executors.local import LocalWorker
+    from jupyter_gpulease.kernel.cellrun import LeaseRun
+    from jupyter_gpulease.kernel.sessions import Session
+    from jupyter_gpulease.lease_view import LeaseView
+
+    class Beats:  # the Heartbeater's interface, without a thread
+        def add(self, lease_id, active=True, on_reply=None):  # type: ignore[no-untyped-def]
+            pass
+
+    lease = {"id": "l-1", "state": "granted", "phase": "holding", "devices": [], "env": {}}
+    run = LeaseRun(None, Beats(), lease, str(tmp_path))  # type: ignore[arg-type]
+    run.suspender.enabled = False
+    worker = LocalWorker(session=True)
+    try:
+        s = Session("m", run, worker)
+        near = LeaseView.from_json({**lease, "idle_deadline": time.time() + 2})
+        s.busy = True
+        s.on_heartbeat(near, 3.0, None)
+        assert not s.warned and "has been idle" not in capsys.readouterr().err
+        s.busy = False
+        s.on_heartbeat(near, 3.0, None)
+        assert s.warned and "session 'm' has been idle" in capsys.readouterr().err
     finally:
-        k.run("%gpu session stop m")
-        k.stop()
-        c.close()
+        worker.kill(0)
+        worker.close()

@@ -276,4 +276,6 @@ def test_the_gpu_check_script_drives_the_shipped_module(fake: FakeCuda, workers:
     w = start(workers)
     steps = [cu.call(k, w.pid, 10) for k in ("lock", "checkpoint", "restore", "unlock")]
     assert [s["rc"] for s in steps] == ["CUDA_SUCCESS"] * 4 and cu.state(w.pid)["state"] == "RUNNING"
+    cs = gc.custom_storage(cu)  # the fake, like driver 580, has no custom storage (CUDA 13.4's)
+    assert cs["dlsym"] is False and cs["available"] is False, cs
     assert set(gc.thp_settings()) >= {"enabled", "defrag"}
