@@ -59,6 +59,17 @@ def release_all(client: BrokerClient) -> None:
                 client.release(lease["id"])
 
 
+def placed(client: BrokerClient, lease: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """The lease's view once its Ray placement group is placed."""
+    import waiting
+
+    def ready() -> dict[str, Any] | None:
+        view = client.lease(lease["id"])
+        return view if (view.get("placement") or {}).get("state") == "ready" else None
+
+    return waiting.wait_for(ready, timeout=timeout, interval=0.05, what=f"the group of {lease['id']} placed")
+
+
 def ray_env(cluster: Any) -> dict[str, str]:
     """A kernel's environment for the local Ray cluster: its address, and the head as the kernel's node."""
     from ray_cluster import HEAD

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
     from ..client import LeaseView
 
 Sink = Callable[[str], None]
+
+#: what a relay's events carry (``RelayedWorker``): the worker's output, the frames of its control pipe (results),
+#: and the relay's own last event, the worker's pipes all closed (its data: the exit status, where the relay has it).
+#: ``slurm_relay``'s lines use the same numbers for the first three: its tags go into the inbox as they come.
+STDOUT, STDERR, CTRL, ENDED = 1, 2, 3, -1
 
 
 class WorkerCrashed(Exception):
@@ -122,11 +128,20 @@ class RelayedWorker(Worker):
     """``poll()`` for workers whose output and results reach the kernel through a relay that reads the
     worker's pipes in separate threads (a Ray actor, a Slurm step): the worker flushed its output before it
     answered, so what is still on the way is taken before the result, and the cell's last lines never
-    arrive after it (in the next cell)."""
+    arrive after it (in the next cell).
+
+    What a relay brought waits in ``_inbox`` and is handed on one event at a time (``_relay``): an interrupt (the
+    user's, while the cell runs) in the middle leaves the rest for the next call instead of dropping the cell's answer
+    to it (``test_ray_interrupted_wait_loses_nothing_the_relay_was_bringing``)."""
 
     _results: list[dict[str, Any]]
     #: whether the worker's node sees the kernel's artifact directories (the marker check)
     _root: RootCheck
+    ready: dict[str, Any] | None
+    _frames: transfer.FrameReader
+    _decoders: dict[int, OutputDecoder]
+    _stderr_tail: bytes
+    _inbox: deque[tuple[int, Any]]
 
     def unseen(self, directory: str) -> str:
         return "" if self._root.sees(directory) else root_unseen(self._root.node, directory)
@@ -148,7 +163,37 @@ class RelayedWorker(Worker):
 
     @abc.abstractmethod
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
-        """Relay what arrived within ``timeout``; returns how many chunks of output it brought."""
+        """Relay what arrived within ``timeout`` (what the inbox still holds first); returns how many chunks of
+        output it brought."""
+
+    @abc.abstractmethod
+    def _end(self, status: Any) -> None:
+        """The relay's ``ENDED`` event: the worker's pipes are closed (``status``: its exit status, where known)."""
+
+    def _relay(self, out: Sink, err: Sink) -> int:
+        """Hand on the inbox's events in order: output to the cell's sinks, the control pipe's frames to
+        ``ready`` and ``_results``; returns how many chunks of output there were."""
+        chunks = 0
+        while self._inbox:
+            tag, data = self._inbox.popleft()
+            if tag == ENDED:
+                self._end(data)
+            elif not data:
+                continue
+            elif tag == CTRL:
+                for msg in self._frames.feed(data):
+                    if msg.get("type") == "ready":
+                        self.ready = msg
+                    else:
+                        self._results.append(self._root.files_back(msg))
+            elif tag in (STDOUT, STDERR):
+                chunks += 1
+                if tag == STDERR:
+                    self._stderr_tail = (self._stderr_tail + data)[-4000:]
+                text = self._decoders[tag].decode(bytes(data))
+                if text:
+                    (out if tag == STDOUT else err)(text)
+        return chunks
 
     def poll(self, timeout: float | None, out: Sink, err: Sink) -> dict[str, Any] | None:
         if not self._results:

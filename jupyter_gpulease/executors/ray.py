@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,18 @@ from gpulease_protocol.ray_ids import gpu_ids, in_bundle
 
 from ..wire import transfer
 from ..worker.env import sees_marker, worker_env
-from .base import OutputDecoder, PlacedExecutor, RelayedWorker, RootCheck, Sink, WorkerCrashed
+from .base import (
+    CTRL,
+    ENDED,
+    STDERR,
+    STDOUT,
+    OutputDecoder,
+    PlacedExecutor,
+    RelayedWorker,
+    RootCheck,
+    Sink,
+    WorkerCrashed,
+)
 from .ray_lazy_import import cell_pythonpath, defer_iri_grammar
 
 if TYPE_CHECKING:
@@ -105,7 +117,7 @@ class CellProcess:
         self.events: queue.Queue[tuple[int, bytes]] = queue.Queue()
         self._open = 3
         assert self.proc.stdout is not None and self.proc.stderr is not None
-        for fd, tag in ((self.proc.stdout.fileno(), 1), (self.proc.stderr.fileno(), 2), (r, 3)):
+        for fd, tag in ((self.proc.stdout.fileno(), STDOUT), (self.proc.stderr.fileno(), STDERR), (r, CTRL)):
             threading.Thread(target=self._pump, args=(fd, tag, self.events), daemon=True,
                              name=f"gpulease-pump-{tag}").start()
 
@@ -118,7 +130,7 @@ class CellProcess:
                 data = b""
             events.put((tag, data))
             if not data:
-                if tag == 3:
+                if tag == CTRL:
                     os.close(fd)
                 return
 
@@ -579,7 +591,9 @@ class RayWorker(RelayedWorker):
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
         self._stderr_tail = b""
-        self._decoders = {1: OutputDecoder(), 2: OutputDecoder()}
+        self._decoders = {STDOUT: OutputDecoder(), STDERR: OutputDecoder()}
+        self._inbox: deque[tuple[int, Any]] = deque()
+        self._polling: tuple[Any, float] | None = None  # the actor's poll in flight, and its timeout
         self._returncode: int | None = None
         self._done = False  # every pipe closed
         self._dead = ""  # the actor itself is gone: why
@@ -631,37 +645,35 @@ class RayWorker(RelayedWorker):
         return WorkerCrashed(self._returncode, "" if self._how else self._tail(), self._how)
 
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
-        """Relay what the actor has; returns how many chunks of output (stdout/stderr) it brought."""
+        """Relay what the actor has; returns how many chunks of output (stdout/stderr) it brought.
+
+        A call to the actor's ``poll`` that an interrupt cut short (Ray looks for signals once a second while
+        ``ray.get`` waits) still runs on the actor, and takes what the worker writes meanwhile (its answer to the
+        interrupt): it is kept, and the next call takes its answer before it asks again."""
         import ray
 
+        if self._inbox:  # what an interrupted relay left
+            return self._relay(out, err)
+        if self._polling is None:
+            self._polling = (self.actor.poll.remote(timeout, **self._kw), timeout)
+        ref, asked = self._polling
         try:
-            events, code, still_open = ray.get(self.actor.poll.remote(timeout, **self._kw), timeout=timeout + self.call_timeout)
+            events, code, still_open = ray.get(ref, timeout=max(timeout, asked) + self.call_timeout)
         except ray.exceptions.GetTimeoutError:
+            self._polling = None
             self._hung("hand over the worker's output")
             return 0
         except Exception as e:  # RayActorError: the actor (and so the worker) is gone
+            self._polling = None
             self._gone(e)
             return 0
-        chunks = 0
-        for tag, data in events:
-            if not data:
-                continue
-            if tag == 3:
-                for msg in self._frames.feed(data):
-                    if msg.get("type") == "ready":
-                        self.ready = msg
-                    else:
-                        self._results.append(self._root.files_back(msg))
-                continue
-            if tag == 2:
-                self._stderr_tail = (self._stderr_tail + data)[-4000:]
-            chunks += 1
-            text = self._decoders[tag].decode(data)
-            if text:
-                (out if tag == 1 else err)(text)
-        if not still_open:  # every pipe closed: the worker is gone
-            self._returncode, self._done = code, True
-        return chunks
+        got = [*events, (ENDED, code)] if not still_open else events  # every pipe closed: the worker is gone
+        self._polling = None
+        self._inbox.extend(got)
+        return self._relay(out, err)
+
+    def _end(self, status: Any) -> None:
+        self._returncode, self._done = status, True
 
     def _tail(self) -> str:
         return self._stderr_tail.decode(errors="replace")

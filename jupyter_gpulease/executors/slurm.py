@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
@@ -48,7 +49,7 @@ from traitlets import Bool, TraitError, Unicode, validate
 
 from ..wire import transfer
 from ..worker.env import worker_env
-from .base import OutputDecoder, PlacedExecutor, RelayedWorker, RootCheck, Sink, WorkerCrashed
+from .base import ENDED, OutputDecoder, PlacedExecutor, RelayedWorker, RootCheck, Sink, WorkerCrashed
 
 if TYPE_CHECKING:
     from ..client import LeaseView
@@ -157,7 +158,7 @@ class SlurmWorker(RelayedWorker):
                                          stderr=subprocess.PIPE, env=_slurm_env(), start_new_session=True)
         except FileNotFoundError:
             raise SlurmStartError(NO_CLIENT) from None
-        self.events: queue.Queue[tuple[int, bytes | bytearray]] = queue.Queue()
+        self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._stderr_tail = b""
         self._worker_rc: int | None = None
         self._wlock = threading.Lock()
@@ -173,6 +174,7 @@ class SlurmWorker(RelayedWorker):
         self._frames = transfer.FrameReader()
         self._results: list[dict[str, Any]] = []
         self._decoders = {STDOUT: OutputDecoder(), STDERR: OutputDecoder()}
+        self._inbox: deque[tuple[int, Any]] = deque()
         self._done = False
         self.info = self._wait_info()
         self.pid: int = int(self.info["pid"])
@@ -217,7 +219,7 @@ class SlurmWorker(RelayedWorker):
                 self._worker_rc = int(json.loads(msg[1])["returncode"])
             self.events.put(msg)
         self._out_closed.set()
-        self.events.put((-1, b""))  # srun's stdout closed: the step is over
+        self.events.put((ENDED, None))  # srun's stdout closed: the step is over
 
     def _read_err(self, stream: IO[bytes]) -> None:
         for line in stream:  # srun's and slurmstepd's own messages (and the relay's, should it fail)
@@ -373,38 +375,23 @@ class SlurmWorker(RelayedWorker):
 
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
         """Relay what the step sent; returns how many chunks of output (stdout/stderr) it brought."""
-        batch: list[tuple[int, bytes | bytearray]] = []
-        self._check_answering()
-        try:
-            batch.append(self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait())
-        except queue.Empty:
-            return 0
-        while True:
+        if not self._inbox:
+            self._check_answering()
             try:
-                batch.append(self.events.get_nowait())
+                self._inbox.append(self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait())
             except queue.Empty:
-                break
-        chunks = 0
-        for tag, data in batch:
-            if tag == -1:
-                self._done = True
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(5)
-                continue
-            if tag == CTRL and data:
-                for msg in self._frames.feed(data):
-                    if msg.get("type") == "ready":
-                        self.ready = msg
-                    else:
-                        self._results.append(self._root.files_back(msg))
-            elif tag in (STDOUT, STDERR) and data:
-                chunks += 1
-                if tag == STDERR:
-                    self._stderr_tail = (self._stderr_tail + data)[-4000:]
-                text = self._decoders[tag].decode(bytes(data))
-                if text:
-                    (out if tag == STDOUT else err)(text)
-        return chunks
+                return 0
+            while True:
+                try:
+                    self._inbox.append(self.events.get_nowait())
+                except queue.Empty:
+                    break
+        return self._relay(out, err)
+
+    def _end(self, status: Any) -> None:
+        self._done = True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
 
     def _tail(self) -> str:
         return self._stderr_tail.decode(errors="replace")

@@ -19,7 +19,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
-from remote_fixtures import kernel_of, ray_broker, ray_env, release_all, running
+from remote_fixtures import kernel_of, placed, ray_broker, ray_env, release_all, running
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -104,7 +104,7 @@ def test_ray_warm_lease_ended_while_a_task_runs_in_its_group_leaves_the_node_ali
         time.sleep(seconds)
         return gpu_ids()
 
-    lease = _placed(client, client.request_lease(1, wait=T))
+    lease = placed(client, client.request_lease(1, wait=T), T)
     group = lease["placement"]["placement_group_id"]
     pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group)))
     started = tmp_path / "started"
@@ -160,11 +160,11 @@ def test_ray_warm_second_cell_borrows_the_prestarted_worker(kernel: Any, client:
 
 
 def test_ray_warm_cell_on_other_gpus_sees_the_ids_ray_assigned_to_its_group(kernel: Any, client: BrokerClient) -> None:
-    second = _placed(client, client.request_lease(2, wait=T))  # the second node held: the cells go to the head
+    second = placed(client, client.request_lease(2, wait=T), T)  # the second node held: the cells go to the head
     assert second["node"] == SECOND
     before = _where(kernel.run(f"%%gpu 2\n{WHERE}", timeout=T * 2))
     assert before["node"] == HEAD
-    head = _placed(client, client.request_lease(2, wait=T))  # two of the head's GPUs held: the cell gets the others
+    head = placed(client, client.request_lease(2, wait=T), T)  # two of the head's GPUs held: the cell gets the others
     assert head["node"] == HEAD
     held = _gpu_ids_of(head["placement"]["placement_group_id"], 2)
     cell = _where(kernel.run(f"%%gpu 2\n{WHERE}", timeout=T * 2))
@@ -174,14 +174,6 @@ def test_ray_warm_cell_on_other_gpus_sees_the_ids_ray_assigned_to_its_group(kern
     assert len(ids) == 2 and not set(ids) & set(held), (ids, held)
     client.release(head["id"])
     client.release(second["id"])
-
-
-def _placed(client: BrokerClient, lease: dict[str, Any]) -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        view = client.lease(lease["id"])
-        return view if (view.get("placement") or {}).get("state") == "ready" else None
-
-    return wait_for(ready, what=f"the group of {lease['id']} placed")
 
 
 def test_ray_warm_actor_outlives_a_revoked_cell_and_lends_the_next_a_new_worker(

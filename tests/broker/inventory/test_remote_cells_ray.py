@@ -20,7 +20,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import LocalRayCluster, ray_missing
-from remote_fixtures import kernel_of, ray_broker, ray_env, release_all, running
+from remote_fixtures import kernel_of, placed, ray_broker, ray_env, release_all, running
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -95,6 +95,39 @@ def test_ray_interrupt_reaches_the_cells_own_except(kernel: Any, client: BrokerC
     print(f"ray interrupt answered in {answered * 1000:.0f} ms")
     wait_for(lambda: not waiting.process_alive(pid), what="the worker to exit")
     wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")
+
+
+def test_ray_interrupted_wait_loses_nothing_the_relay_was_bringing(client: BrokerClient, tmp_path: Path) -> None:
+    """An interrupt that comes while the kernel waits for the actor's ``poll`` (Ray looks for signals once a second
+    while ``ray.get`` waits: a wait that long is a loaded machine's) cuts the wait short, but the call runs on in the
+    actor and takes what the worker writes next: the cell's answer to the interrupt. It was lost, and the cell ended
+    as "The GPU worker exited with status 1" (the project's CI, ``test_ray_interrupt_reaches_the_cells_own_except``).
+    The interrupt here is the kernel's own path in this process: SIGALRM with Python's SIGINT handler."""
+    from jupyter_gpulease.executors.ray import RayWorker
+
+    view = placed(client, client.request_lease(1, wait=T), T)
+    worker = RayWorker(view["placement"], lease_id=view["id"], start_timeout=T, call_timeout=T)
+    go, said = tmp_path / "go", []
+    try:
+        worker.submit({"kind": "cell", "cell_name": "<cell>", "want_value": False,
+                       "code": f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
+                               "print('after the interrupt', flush=True)\n"})
+        wait_for(lambda: worker.poll(0.2, said.append, said.append) is None and worker.ready, what="the worker ready")
+        before = signal.signal(signal.SIGALRM, signal.default_int_handler)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(KeyboardInterrupt):
+                worker.poll(30.0, said.append, said.append)  # the actor waits up to 30 s for the worker's output
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+        go.touch()  # the cell answers now, while the cut-short call still waits on the actor
+        result = wait_for(lambda: worker.poll(0.5, said.append, said.append), what="the cell's result")
+        assert result["status"] == "ok", result
+        assert "".join(said) == "after the interrupt\n", said
+    finally:
+        worker.close()
+        client.release(view["id"])
 
 
 def test_ray_stopped_worker_ends_the_cell_within_10_s_and_releases(kernel: Any, client: BrokerClient) -> None:
