@@ -325,7 +325,7 @@ class GpuMagics(Magics):
     def _in_session(self, name: str, opts: dict[str, Any], job: Job) -> Any:
         s = self.sessions.get(name)
         if s is not None and not s.alive():
-            with s.lock:  # a park in flight ends first
+            with s.turn(default_sinks().err):  # a park in flight ends first
                 pass
             if s.find_parked() is None:
                 print(f"gpulease: session {name!r} ended ({s.ended_reason or 'worker gone'}); starting a new one — "
@@ -353,7 +353,7 @@ class GpuMagics(Magics):
         s.shell = self._sh
         s.warned = False
         s.cells += 1
-        with s.lock:
+        with s.turn(default_sinks().err):
             try:
                 s.resume_suspended(opts["wait"], f"%%gpu --session {name}")
             except GpuError:

@@ -15,10 +15,12 @@ host memory and exits, so the GPU is free at once; the session's next cell gets 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,8 @@ class Session:
     #: the parked state's summary (names, dropped, nbytes, at) once parked, until restored
     parked: dict[str, Any] | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)  # a cell or a park at a time
+    #: what holds ``lock`` on a background thread now (words for a cell that waits for it: ``turn``)
+    doing: str = ""
     busy: bool = False  # a cell runs in it now
     #: the worker's region for the driver's next checkpoint is faulted in (``worker.ckpt_pool``), until its next job
     pool: bool = False
@@ -89,11 +93,25 @@ class Session:
             try:
                 if self.busy or self.suspended or not self.worker.local or not self.worker.alive():
                     return
+                self.doing = f"getting host memory ready for its suspension (at most {POOL_TIMEOUT:g} s)"
                 self.pool = self._prepare_pool()
             except (WorkerCrashed, OSError):
                 return
             finally:
+                self.doing = ""
                 self.lock.release()
+
+    @contextlib.contextmanager
+    def turn(self, say: Callable[[str], None]) -> Iterator[None]:
+        """The session's lock, for a cell (or a line magic): one that finds it held by a background thread (a park,
+        the checkpoint region being faulted in) says what it waits for, in one line, instead of waiting silently."""
+        if not self.lock.acquire(blocking=False):
+            say(f"gpulease: session {self.name!r} is {self.doing or 'busy'}; this cell goes on when that is done\n")
+            self.lock.acquire()
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def _prepare_pool(self) -> bool:
         """Ask the worker for the region and wait for its answer; whether it has one. A region it could not make is
@@ -202,6 +220,7 @@ class Session:
         say = say or (lambda text: None)
         with self.lock:
             if self.parked is None and self.park_target and self.worker.alive():
+                self.doing = f"parking its variables {self.parked_where()}"
                 try:
                     self.worker.submit({"type": "park", **self.park_target})
                     deadline = time.monotonic() + PARK_TIMEOUT
@@ -213,6 +232,8 @@ class Session:
                             break
                 except (WorkerCrashed, OSError):
                     pass  # gone meanwhile (the broker stopped it): it may have parked on its SIGTERM
+                finally:
+                    self.doing = ""
             self._stop_worker()
             self.run.end(reason)
             self.ended_reason = self.ended_reason or reason

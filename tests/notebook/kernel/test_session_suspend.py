@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -287,6 +288,49 @@ def test_an_ask_that_comes_while_the_region_is_faulted_in_waits_for_it(stage, tm
     assert r2.status == "ok" and _printed(r2).split() == ["42"], r2.outputs
     assert not k.log_lines("gpulease: session 'm'"), k.log_lines("gpulease: session 'm'")
     wait_for(lambda: largest_anonymous_rss(pid) < want, 10, "the region given back at the session's next job")
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C compiler (gcc or $CC) to build the fake libcuda and the region's "
+                                               "library")
+def test_a_cell_that_comes_while_the_region_is_faulted_in_says_what_it_waits_for(stage, tmp_path: Path) -> None:
+    """The region is faulted in on a background thread that holds the session (up to ``POOL_TIMEOUT``, 60 s, for a
+    worker that does not answer); a cell that comes meanwhile says so in one line, and runs once the region is there.
+    The worker is stopped before the warning, so the kernel's request for the region (bytes waiting on the worker's
+    stdin) stays unanswered until the test lets it go on."""
+    k, c, fake, pid, lease_id, want = _region_session(stage, tmp_path, 64 << 20)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _pipes_pending(pid) > 0, 20, "the kernel's request for the region, at the idle warning")
+        msg = k.submit("%%gpu --session m\nprint(x + 1)")
+        waited = k.collect(msg, 30, until=lambda outs: "this cell goes on" in Reply("partial", outs).stderr)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    line = next(x for x in waited.stderr.splitlines() if "this cell goes on" in x)
+    assert line == ("gpulease: session 'm' is getting host memory ready for its suspension (at most 60 s); this cell "
+                    "goes on when that is done"), line
+    r = k.collect(msg, 30)
+    assert r.status == "ok" and _printed(r).split() == ["42"], r.outputs
+
+
+def _pipes_pending(pid: int) -> int:
+    """Bytes waiting in the process's pipes (its jobs' pipe, a dup of its stdin, above all: a stopped worker reads
+    nothing; the kernel reads its output at once)."""
+    import array
+    import fcntl
+    import termios
+
+    pending = 0
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("pipe:"):
+            continue
+        fd = os.open(f"/proc/{pid}/fd/{name}", os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            n = array.array("i", [0])
+            fcntl.ioctl(fd, termios.FIONREAD, n)
+            pending += n[0]
+        finally:
+            os.close(fd)
+    return pending
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler (gcc or $CC) to build the fake libcuda and the region's "
