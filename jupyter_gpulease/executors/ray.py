@@ -116,6 +116,9 @@ class CellProcess:
         # each worker its own queue: the pumps of a warm actor's previous worker never feed the next one's
         self.events: queue.Queue[tuple[int, bytes]] = queue.Queue()
         self._open = 3
+        self._kept: list[tuple[int, int, bytes]] = []  # events taken from the queue, numbered, not yet taken by the kernel
+        self._seq = 0
+        self._taking = threading.Lock()  # the kernel's calls may overlap (one that an interrupt cut short)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for fd, tag in ((self.proc.stdout.fileno(), STDOUT), (self.proc.stderr.fileno(), STDERR), (r, CTRL)):
             threading.Thread(target=self._pump, args=(fd, tag, self.events), daemon=True,
@@ -156,22 +159,39 @@ class CellProcess:
         assert self.proc.stdin is not None
         transfer.send(self.proc.stdin, job)
 
-    def poll(self, timeout: float) -> tuple[list[tuple[int, bytes]], int | None, int]:
-        """What the worker wrote since the last call (waiting up to ``timeout`` for something), its exit
-        status (None while it runs) and how many of its pipes are still open."""
-        out: list[tuple[int, bytes]] = []
-        if self._open:
+    def poll(self, timeout: float, after: int = 0) -> tuple[list[tuple[int, int, bytes]], int | None, int]:
+        """What the worker wrote that the kernel has not taken: the events numbered after ``after`` (the last the
+        kernel took; those up to it are forgotten), waiting up to ``timeout`` for one if there are none; the worker's
+        exit status (None while it runs) and how many of its pipes are still open.
+
+        An event stays here until the kernel's next call says it was taken: an interrupt can cut the kernel's wait for
+        an answer short while the call runs on here, and what that call took (the cell's answer to the interrupt)
+        comes again with the next one (``test_ray_interrupted_wait_loses_nothing_the_relay_was_bringing``)."""
+        with self._taking:
+            self._kept = [e for e in self._kept if e[0] > after]
+            waits = not self._kept and self._open
+        if waits:
             try:
-                out.append(self.events.get(timeout=timeout))
+                first: tuple[int, bytes] | None = self.events.get(timeout=timeout)
             except queue.Empty:
-                pass
-            while True:
-                try:
-                    out.append(self.events.get_nowait())
-                except queue.Empty:
-                    break
-            self._open -= sum(1 for _, data in out if not data)
-        return out, (self._wait(5.0) if not self._open else self.proc.poll()), self._open
+                first = None
+            with self._taking:
+                for tag, data in [first] if first is not None else []:
+                    self._take(tag, data)
+                while True:
+                    try:
+                        self._take(*self.events.get_nowait())
+                    except queue.Empty:
+                        break
+        with self._taking:
+            kept, still_open = list(self._kept), self._open
+        return kept, (self._wait(5.0) if not still_open else self.proc.poll()), still_open
+
+    def _take(self, tag: int, data: bytes) -> None:
+        self._seq += 1
+        self._kept.append((self._seq, tag, data))
+        if not data:
+            self._open -= 1
 
     def _wait(self, timeout: float) -> int | None:
         try:
@@ -207,7 +227,7 @@ WATCH_SECONDS = 0.1
 STALE_SECONDS = 60.0
 #: the host's calls as this package makes them: a host that another version left running (it is detached: it
 #: outlives kernels and upgrades) is not reused, its name carries it
-HOST_VERSION = 1
+HOST_VERSION = 2
 
 
 class WarmHost:
@@ -313,9 +333,9 @@ class WarmHost:
             raise RuntimeError("this worker was not lent to the cell")
         worker.submit(job)
 
-    def poll(self, timeout: float, claim: int = 0) -> tuple[list[tuple[int, bytes]], int | None, int]:
+    def poll(self, timeout: float, after: int = 0, claim: int = 0) -> tuple[list[tuple[int, int, bytes]], int | None, int]:
         worker = self._lent(claim)
-        return worker.poll(timeout) if worker is not None else ([], None, 0)
+        return worker.poll(timeout, after) if worker is not None else ([], None, 0)
 
     def signal(self, sig: int, claim: int = 0) -> None:
         worker = self._lent(claim)
@@ -593,7 +613,7 @@ class RayWorker(RelayedWorker):
         self._stderr_tail = b""
         self._decoders = {STDOUT: OutputDecoder(), STDERR: OutputDecoder()}
         self._inbox: deque[tuple[int, Any]] = deque()
-        self._polling: tuple[Any, float] | None = None  # the actor's poll in flight, and its timeout
+        self._taken = 0  # the number of the last event of the worker's that this kernel took (CellProcess.poll)
         self._returncode: int | None = None
         self._done = False  # every pipe closed
         self._dead = ""  # the actor itself is gone: why
@@ -645,31 +665,28 @@ class RayWorker(RelayedWorker):
         return WorkerCrashed(self._returncode, "" if self._how else self._tail(), self._how)
 
     def _fetch(self, timeout: float, out: Sink, err: Sink) -> int:
-        """Relay what the actor has; returns how many chunks of output (stdout/stderr) it brought.
-
-        A call to the actor's ``poll`` that an interrupt cut short (Ray looks for signals once a second while
-        ``ray.get`` waits) still runs on the actor, and takes what the worker writes meanwhile (its answer to the
-        interrupt): it is kept, and the next call takes its answer before it asks again."""
+        """Relay what the actor has; returns how many chunks of output (stdout/stderr) it brought. Each call says the
+        last event this kernel took (``_taken``): the actor keeps every later one until then, so an answer lost on
+        the way (a wait an interrupt cut short: Ray looks for signals once a second while ``ray.get`` waits) comes
+        again with the next call (``CellProcess.poll``)."""
         import ray
 
         if self._inbox:  # what an interrupted relay left
             return self._relay(out, err)
-        if self._polling is None:
-            self._polling = (self.actor.poll.remote(timeout, **self._kw), timeout)
-        ref, asked = self._polling
         try:
-            events, code, still_open = ray.get(ref, timeout=max(timeout, asked) + self.call_timeout)
+            events, code, still_open = ray.get(self.actor.poll.remote(timeout, self._taken, **self._kw),
+                                               timeout=timeout + self.call_timeout)
         except ray.exceptions.GetTimeoutError:
-            self._polling = None
             self._hung("hand over the worker's output")
             return 0
         except Exception as e:  # RayActorError: the actor (and so the worker) is gone
-            self._polling = None
             self._gone(e)
             return 0
-        got = [*events, (ENDED, code)] if not still_open else events  # every pipe closed: the worker is gone
-        self._polling = None
-        self._inbox.extend(got)
+        fresh = [(tag, data) for seq, tag, data in events if seq > self._taken]
+        if not still_open:  # every pipe closed: the worker is gone
+            fresh.append((ENDED, code))
+        self._inbox.extend(fresh)
+        self._taken = max([self._taken, *(seq for seq, _, _ in events)])
         return self._relay(out, err)
 
     def _end(self, status: Any) -> None:
