@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import os
 import queue
 import signal
@@ -371,8 +372,19 @@ def _connect(placement: dict[str, Any], client_address: str = "") -> Any:
 
     with _CONNECT:  # the kernel's first cell and its start (RayExecutor.prepare) may both come here
         if not ray.is_initialized():
-            _init(ray, placement, client_address)
+            said = logging.getLogger("ray._private.worker")
+            said.addFilter(_not_main_thread)
+            try:
+                _init(ray, placement, client_address)
+            finally:
+                said.removeFilter(_not_main_thread)
     return ray
+
+
+def _not_main_thread(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that ``ray.init`` off the main thread sets no SIGTERM handler: the kernel joins the cluster
+    in the background on purpose (``RayExecutor.prepare``), and the warning showed in whatever cell ran meanwhile."""
+    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 _CONNECT = threading.Lock()

@@ -141,6 +141,19 @@ def test_no_raylet_on_the_notebook_host_fails_at_once_naming_the_option(
     wait_for(lambda: not [v for v in client.leases() if v["state"] not in ENDED], what="the lease released")
 
 
+def test_joining_the_cluster_off_the_main_thread_says_nothing_in_the_cell(ray_cluster: LocalRayCluster,
+                                                                           tmp_path: Path) -> None:
+    """The kernel joins the Ray cluster in the background at its start (``RayExecutor.prepare``); Ray warned then
+    that it set no SIGTERM handler off the main thread, on stderr, in whatever cell ran meanwhile."""
+    code = ("import threading\nfrom jupyter_gpulease.executors.ray import _connect\n"
+            f"t = threading.Thread(target=_connect, args=({{'address': {ray_cluster.address!r}, "
+            "'namespace': 'gpulease-join'},))\nt.start()\nt.join()\nimport ray\nprint('joined', ray.is_initialized())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, **ray_env(ray_cluster)})
+    assert r.returncode == 0 and "joined True" in r.stdout, (r.stdout, r.stderr)
+    assert "SIGTERM handler" not in r.stderr, r.stderr
+
+
 def _ray_client_missing() -> str:
     try:
         import grpc  # noqa: F401
