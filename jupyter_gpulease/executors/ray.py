@@ -119,7 +119,8 @@ class CellProcess:
         self._open = 3
         self._kept: list[tuple[int, int, bytes]] = []  # events taken from the queue, numbered, not yet taken by the kernel
         self._seq = 0
-        self._taking = threading.Lock()  # the kernel's calls may overlap (one that an interrupt cut short)
+        # the kernel's calls may overlap (one that an interrupt cut short waits on): the next waits for it
+        self._polling = threading.Lock()
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for fd, tag in ((self.proc.stdout.fileno(), STDOUT), (self.proc.stderr.fileno(), STDERR), (r, CTRL)):
             threading.Thread(target=self._pump, args=(fd, tag, self.events), daemon=True,
@@ -168,23 +169,18 @@ class CellProcess:
         An event stays here until the kernel's next call says it was taken: an interrupt can cut the kernel's wait for
         an answer short while the call runs on here, and what that call took (the cell's answer to the interrupt)
         comes again with the next one (``test_ray_interrupted_wait_loses_nothing_the_relay_was_bringing``)."""
-        with self._taking:
+        with self._polling:  # one at a time: the events are numbered in the order the worker's pipes gave them
             self._kept = [e for e in self._kept if e[0] > after]
-            waits = not self._kept and self._open
-        if waits:
-            try:
-                first: tuple[int, bytes] | None = self.events.get(timeout=timeout)
-            except queue.Empty:
-                first = None
-            with self._taking:
-                for tag, data in [first] if first is not None else []:
-                    self._take(tag, data)
+            if not self._kept and self._open:
+                try:
+                    self._take(*self.events.get(timeout=timeout))
+                except queue.Empty:
+                    pass
                 while True:
                     try:
                         self._take(*self.events.get_nowait())
                     except queue.Empty:
                         break
-        with self._taking:
             kept, still_open = list(self._kept), self._open
         return kept, (self._wait(5.0) if not still_open else self.proc.poll()), still_open
 
