@@ -80,10 +80,6 @@ class Worker(abc.ABC):
         within ``timeout`` seconds (None: wait one polling interval). Raises WorkerCrashed when it is gone."""
 
     @abc.abstractmethod
-    def drain(self, out: Sink, err: Sink) -> None:
-        """Forward what output already arrived, without waiting."""
-
-    @abc.abstractmethod
     def interrupt(self) -> None:
         """SIGINT the worker (the cell sees KeyboardInterrupt)."""
 

@@ -87,11 +87,12 @@ class LocalWorker(Worker):
             self._read(key, out, err)
         if self._results:
             result = self._results.pop(0)
-            self.drain(out, err)  # the worker flushed before it answered: take the rest now
+            self._drain(out, err)  # the worker flushed before it answered: take the rest now
             return result
         return None
 
-    def drain(self, out: Sink, err: Sink) -> None:
+    def _drain(self, out: Sink, err: Sink) -> None:
+        """Forward what output already arrived, without waiting."""
         while self._sel.get_map():
             ready = self._sel.select(0)
             if not ready:

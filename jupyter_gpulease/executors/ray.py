@@ -703,10 +703,6 @@ class RayWorker(RelayedWorker):
     def _tail(self) -> str:
         return self._stderr_tail.decode(errors="replace")
 
-    def drain(self, out: Sink, err: Sink) -> None:
-        if not self._done and not self._dead:
-            self._fetch(0.0, out, err)
-
     # ---------------------------------------------------------------- stopping
     def interrupt(self) -> None:
         with contextlib.suppress(Exception):

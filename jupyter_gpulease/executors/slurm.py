@@ -396,10 +396,6 @@ class SlurmWorker(RelayedWorker):
     def _tail(self) -> str:
         return self._stderr_tail.decode(errors="replace")
 
-    def drain(self, out: Sink, err: Sink) -> None:
-        if not self._done:
-            self._fetch(0.0, out, err)
-
     # ---------------------------------------------------------------- stopping
     def interrupt(self) -> None:
         with contextlib.suppress(Exception):
