@@ -20,8 +20,6 @@ from .report import Figure, figure
 
 TITLE = "Idle revocation and expiry"
 
-_ENDED = ("revoked", "expired", "released", "failed", "cancelled")
-
 
 async def _delay(path: str, body: dict[str, Any], deadline_of: str) -> float:
     """Seconds from the lease's deadline (broker clock) to the moment the client sees it ended."""
@@ -36,7 +34,7 @@ async def _delay(path: str, body: dict[str, Any], deadline_of: str) -> float:
             raise RuntimeError(f"the lease view has no {deadline_of} deadline: {lease}")
         while True:
             _, view = await conn.call("GET", f"/api/v1/leases/{lease['id']}")
-            if view["state"] in _ENDED:
+            if view["phase"] == "ended":
                 seen = time.time()
                 want = "revoked" if deadline_of == "idle" else "expired"
                 if view["state"] != want:

@@ -36,11 +36,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .load_checks import ENDED, HOLDING, LoadResult, Witness, check_store
+from .load_checks import LoadResult, Witness, check_store
 from .load_driver import TIMEOUT, WAIT, Conn, LoadBroker, LoadConfig, _drive, _raise_fd_limit
 from .report import Figure, figure
 
-__all__ = ["ENDED", "HOLDING", "LAST", "TIMEOUT", "TITLE", "WAIT", "Conn", "LoadBroker", "LoadConfig", "LoadResult",
+__all__ = ["LAST", "TIMEOUT", "TITLE", "WAIT", "Conn", "LoadBroker", "LoadConfig", "LoadResult",
            "Witness", "check_store", "main", "run", "run_load", "soak_cells"]
 
 TITLE = "Load and soak"
@@ -115,7 +115,7 @@ def soak_cells(kernels: int, gpus: int, seconds: float) -> dict[str, Any]:
 
         c = BrokerClient("unix://" + b.socket)
         settle = time.monotonic() + 5  # a release may still be on its way when the last cell's reply came
-        while (left := [x for x in c.leases(everyone=True) if x["state"] not in ENDED]) and time.monotonic() < settle:
+        while (left := [x for x in c.leases(everyone=True) if x["phase"] != "ended"]) and time.monotonic() < settle:
             time.sleep(0.1)
         out["leases_left"] = len(left)
         out["left"] = [f"{x['id']} {x['state']} {x['labels'].get('cell', '')}" for x in left]

@@ -14,10 +14,9 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .report import stats
+from lease_broker.core.lease import LeaseState
 
-HOLDING = ("granted", "active", "idle")
-ENDED = ("released", "revoked", "expired", "failed", "cancelled")
+from .report import stats
 
 
 @dataclass
@@ -114,7 +113,7 @@ def check_store(db: str, r: LoadResult, seen: dict[str, str]) -> None:
                 if others and (not shared or 1.0 in others.values() or sum(others.values()) + frac > 1.0 + 1e-9):
                     r.store_double_grants.append(f"{gid}: {lid} granted while held by {sorted(others)}")
                 others[lid] = frac if shared else 1.0
-        elif to_state in ENDED:
+        elif not LeaseState(to_state).holding:  # ended or suspended: it holds no GPU
             for gid in ids:
                 holders[gid].pop(lid, None)
     con.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import broker_process
-from .load_checks import HOLDING, LoadResult, Witness
+from .load_checks import LoadResult, Witness
 
 TIMEOUT = 60.0  # seconds for one request; more is an error
 WAIT = 5.0  # a queued request waits with GET /leases/ID?wait=WAIT, again and again until granted
@@ -185,7 +185,7 @@ async def _one_lease(conn: Conn, rng: random.Random, cfg: LoadConfig, deadline: 
         r.cancelled += lease["state"] == "cancelled"
         r.released += lease["state"] == "released"
         return False
-    if lease["state"] not in HOLDING:
+    if lease["phase"] != "holding":
         r.errors.append(f"lease {lid} ended while waiting: {lease['state']} {lease.get('reason')}")
         return False
     r.granted += 1
@@ -198,7 +198,7 @@ async def _one_lease(conn: Conn, rng: random.Random, cfg: LoadConfig, deadline: 
         await asyncio.sleep(hold / 2)
         status, beat = await conn.call("POST", f"/api/v1/leases/{lid}/heartbeat", {"active": True})
         r.heartbeats += 1
-        if status != 200 or beat["state"] not in HOLDING:
+        if status != 200 or beat["phase"] != "holding":
             r.errors.append(f"heartbeat {lid}: {status} {beat}")
         await asyncio.sleep(hold / 2)
     else:

@@ -25,7 +25,6 @@ from .backends import TESTS, Backend, RayBackend, SingleHost, SlurmBackend, p95
 from .report import Figure, figure
 
 TITLE = "Remote cells: from a cell's reply to its GPU free (local, Ray, Slurm)"
-ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 
 
 def _kernel_env(backend: Backend) -> dict[str, str]:
@@ -69,7 +68,7 @@ def measure(backend: Backend, workdir: str, cells: int) -> dict[str, list[float]
             if r.status != "ok":
                 raise RuntimeError(f"{backend.name}: the cell failed: {r.outputs}")
             lease = next(v for v in client.leases(ended=10_000) if v["id"] not in seen)
-            while client.lease(lease["id"])["state"] not in ENDED:
+            while client.lease(lease["id"])["phase"] != "ended":
                 if time.perf_counter() - replied > 60:
                     raise RuntimeError(f"{backend.name}: lease {lease['id']} not released within 60 s of the reply")
                 time.sleep(0.001)

@@ -15,8 +15,6 @@ from broker_process import BrokerProcess
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
-ENDED = frozenset(("released", "expired", "revoked", "failed", "cancelled"))
-
 
 def ray_broker(cluster: Any, workdir: Path, *args: str, timeout: float) -> BrokerProcess:
     """A broker whose inventory is the local Ray cluster (tests/ray_cluster.py)."""
@@ -54,7 +52,7 @@ def running(broker: BrokerProcess, then: Callable[[], object] | None = None) -> 
 def release_all(client: BrokerClient) -> None:
     """Leave nothing held for the next test (a lease that its kernel released meanwhile is no error)."""
     for lease in client.leases():
-        if lease["state"] not in ENDED:
+        if lease["phase"] != "ended":
             with contextlib.suppress(BrokerError):
                 client.release(lease["id"])
 

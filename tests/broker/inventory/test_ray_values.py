@@ -31,7 +31,6 @@ pytestmark = [
 T = 60.0
 PRIVATE = "127.0.0.4"
 wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.2)
-ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ pytestmark = [
 ]
 
 T = 30.0
-ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 
 wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.005)
 
@@ -76,7 +75,7 @@ def kernel(cluster: LocalSlurmCluster, broker: BrokerProcess, artifacts: Path) -
 
 
 def _held(client: BrokerClient) -> dict[str, Any]:
-    return wait_for(lambda: next((v for v in client.leases() if v["state"] not in ENDED), None), what="the cell's lease")
+    return wait_for(lambda: next((v for v in client.leases() if v["phase"] != "ended"), None), what="the cell's lease")
 
 
 def _aborts(cluster: LocalSlurmCluster) -> int:
@@ -98,7 +97,7 @@ def test_slurm_relay_exits_cleanly_and_the_gpu_is_free_soon_after_the_reply(kern
         replied = time.monotonic()
         assert r.status == "ok" and "ran" in r.stdout, r.outputs
         lease = next(v for v in client.leases(ended=1000) if v["id"] not in seen)
-        wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")  # noqa: B023
+        wait_for(lambda: client.lease(lease["id"])["phase"] == "ended", what="the lease released")  # noqa: B023
         figures.append(time.monotonic() - replied)
         wait_for(lambda: not cluster.jobs(), what="the allocation to end")
     print("slurm reply to release (s):", ", ".join(f"{f:.3f}" for f in figures))
@@ -128,7 +127,7 @@ def test_slurm_stopped_worker_relay_ends_the_cell_within_10_s(kernel: Any, clien
     assert ended < 10, ended
     print(f"slurm stopped relay: cell ended after {ended:.1f} s")
     wait_for(lambda: not waiting.process_alive(worker), what="the step's worker to be killed")
-    wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")
+    wait_for(lambda: client.lease(lease["id"])["phase"] == "ended", what="the lease released")
 
 
 def _srun_of(kernel_pid: int) -> int:
@@ -154,7 +153,7 @@ def test_slurm_killed_srun_says_srun_was_killed(kernel: Any, client: BrokerClien
     assert "srun on this host was killed by SIGKILL" in r.error["evalue"], r.error
     assert "worker was killed" not in r.error["evalue"], r.error
     wait_for(lambda: not waiting.process_alive(worker), what="the step's worker to end")
-    wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")
+    wait_for(lambda: client.lease(lease["id"])["phase"] == "ended", what="the lease released")
 
 
 def test_slurm_missing_working_directory_fails_in_one_line_and_leaves_no_input(
@@ -169,7 +168,7 @@ def test_slurm_missing_working_directory_fails_in_one_line_and_leaves_no_input(
             text = r.error["evalue"]
             assert str(here) in text and "node n2" in text and "working directory" in text, r.error
             assert "ran in" not in r.stdout  # never silently somewhere else
-            wait_for(lambda: not [v for v in client.leases() if v["state"] not in ENDED], what="the lease released")
+            wait_for(lambda: not [v for v in client.leases() if v["phase"] != "ended"], what="the lease released")
     finally:
         kernel.run("os.chdir('/')")
     left = [p for p in artifacts.rglob("*") if p.is_file() and ".oob" in p.parts]
@@ -197,7 +196,7 @@ def test_slurm_missing_interpreter_fails_in_one_line_naming_the_node(kernel: Any
     assert r.status == "error" and r.error is not None, r.outputs
     text = r.error["evalue"]
     assert missing in text and "does not exist on node n2" in text and "worker_python" in text, r.error
-    wait_for(lambda: not [v for v in client.leases() if v["state"] not in ENDED], what="the lease released")
+    wait_for(lambda: not [v for v in client.leases() if v["phase"] != "ended"], what="the lease released")
 
 
 def test_slurm_stopped_worker_relay_never_blocks_the_next_cells_job(kernel: Any, client: BrokerClient) -> None:
@@ -224,4 +223,4 @@ def test_slurm_stopped_worker_relay_never_blocks_the_next_cells_job(kernel: Any,
     print(f"slurm stopped relay, next session cell ended after {ended:.1f} s")
     wait_for(lambda: not waiting.process_alive(worker), what="the step's worker to be killed")
     kernel.run("%gpu session stop hw")
-    wait_for(lambda: client.lease(lease["id"])["state"] in ENDED, what="the lease released")
+    wait_for(lambda: client.lease(lease["id"])["phase"] == "ended", what="the lease released")

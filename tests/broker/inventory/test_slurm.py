@@ -27,7 +27,6 @@ from jupyter_gpulease.client import BrokerClient, BrokerError
 pytestmark = pytest.mark.timeout(300)
 
 T = 30.0
-ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 
 
 wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.02)
@@ -58,7 +57,7 @@ def client(broker: BrokerProcess, cluster: LocalSlurmCluster) -> Iterator[Broker
     c = broker.client(timeout=T)
     yield c
     for lease in c.leases():  # leave nothing held for the next test
-        if lease["state"] not in ENDED:
+        if lease["phase"] != "ended":
             c.release(lease["id"])
     wait_for(lambda: not _live_jobs(cluster), what="Slurm to have no allocation of the broker left")
     wait_for(lambda: c.gpus()["summary"]["free"] == 6, what="the broker to see every GPU drained")
@@ -72,7 +71,7 @@ def _live_jobs(cluster: LocalSlurmCluster) -> list[dict[str, str]]:
 def _ready(c: BrokerClient, lease: dict[str, Any]) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
         view = c.lease(lease["id"])
-        assert view["state"] not in ENDED, view
+        assert view["phase"] != "ended", view
         return view if (view.get("placement") or {}).get("state") == "ready" else None
 
     return wait_for(check, what=f"the Slurm allocation of {lease['id']}")  # type: ignore[no-any-return]
@@ -190,7 +189,7 @@ def test_equal_gang_across_nodes_uses_gres_per_node(client: BrokerClient, cluste
     _ready(client, client.request_lease(2, wait=T))  # n2 is full; n1 has 4
     blocker = _ready(client, client.request_lease(2, wait=T))  # n1: 2 left
     assert blocker["node"] == "n1"
-    client.release(next(v for v in client.leases() if v["node"] == "n2" and v["state"] not in ENDED)["id"])
+    client.release(next(v for v in client.leases() if v["node"] == "n2" and v["phase"] != "ended")["id"])
     lease = _ready(client, client.request_lease(4, wait=T, locality="any"))  # 2 + 2
     assert sorted(b["gpus"] for b in lease["placement"]["bundles"]) == [2, 2]
     assert _job(cluster, lease)["nodes"] == "n[1-2]"
@@ -256,7 +255,7 @@ def test_gpu_cell_runs_as_a_slurm_step_with_live_output(kernel: Any, client: Bro
     partial = kernel.collect(msg_id, timeout=60, until=lambda outs: any(
         "started" in o["content"].get("text", "") for o in outs))
     assert partial.status == "partial"
-    lease = next(v for v in client.leases() if v["state"] not in ENDED)
+    lease = next(v for v in client.leases() if v["phase"] != "ended")
     assert lease["placement"]["kind"] == "slurm" and lease["node"] == "n2"
     job = _job(cluster, lease)
     steps = cluster.run("squeue", "--steps", "--noheader", f"--jobs={job['id']}", "--format=%i|%j")
@@ -285,7 +284,7 @@ def test_session_keeps_its_step_worker_across_cells(kernel: Any, client: BrokerC
     assert r2.status == "ok", (r2.outputs, r2.reply)
     pid, node = r1.stdout.split()[:2]
     assert node == "n2" and r2.stdout.split()[0] == pid and "[1, 2, 3, 4]" in r2.stdout, (r1.stdout, r2.stdout)
-    lease = next(v for v in client.leases() if v["state"] not in ENDED)
+    lease = next(v for v in client.leases() if v["phase"] != "ended")
     assert lease["placement"]["kind"] == "slurm"
     kernel.run("%gpu session stop sl")
     wait_for(lambda: not waiting.process_alive(int(pid)), what="the session's worker to be stopped")
@@ -306,7 +305,7 @@ def test_revoke_kills_the_step(kernel: Any, client: BrokerClient, cluster: Local
         "pids" in o["content"].get("text", "") for o in outs))
     line = next(o["content"]["text"] for o in partial.outputs if "pids" in o["content"].get("text", ""))
     pids = [int(p) for p in line.split()[1:3]]
-    lease = next(v for v in client.leases() if v["state"] not in ENDED)
+    lease = next(v for v in client.leases() if v["phase"] != "ended")
     job = _job(cluster, lease)
     client.revoke(lease["id"], "test")
     r = kernel.collect(msg_id, timeout=60)
@@ -325,7 +324,7 @@ def test_interrupt_reaches_the_cell_in_the_step(kernel: Any, client: BrokerClien
     partial = kernel.collect(msg_id, timeout=60, until=lambda outs: "in the loop" in "".join(
         o["content"].get("text", "") for o in outs))
     pid = int(partial.stdout.split("worker ")[1].split()[0])
-    lease = next(v for v in client.leases() if v["state"] not in ENDED)
+    lease = next(v for v in client.leases() if v["phase"] != "ended")
     kernel.km.interrupt_kernel()
     r = kernel.collect(msg_id, timeout=60)
     assert r.status == "error" and r.error is not None and r.error["ename"] == "KeyboardInterrupt"
@@ -345,7 +344,7 @@ def test_kernel_death_ends_the_step(cluster: LocalSlurmCluster, broker: BrokerPr
         partial = k.collect(msg_id, timeout=60, until=lambda outs: any(
             "worker " in o["content"].get("text", "") for o in outs))
         pid = int(partial.stdout.split("worker ")[1].split()[0])
-        lease = next(v for v in client.leases() if v["state"] not in ENDED)
+        lease = next(v for v in client.leases() if v["phase"] != "ended")
         job = _job(cluster, lease)
         k.kill9()
         wait_for(lambda: not waiting.process_alive(pid), timeout=10, what="the worker to die with its kernel (its lifeline)")

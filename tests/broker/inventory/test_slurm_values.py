@@ -37,7 +37,6 @@ pytestmark = [
 ]
 
 T = 60.0
-ENDED = ("released", "expired", "revoked", "failed", "cancelled")
 wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
 
 
@@ -187,7 +186,7 @@ def _connected() -> tuple[slurm_bulk.Channel, slurm_bulk.Channel]:
 def _given_back(client: BrokerClient) -> None:
     """Wait until the kernel's last cell gave its lease back (the kernel does that after the cell's reply): else a
     2-GPU cell goes to n1, which then has the free GPUs, not to n2 (the node without the shared root)."""
-    wait_for(lambda: all(v["state"] in ENDED for v in client.leases()), what="the last cell's lease given back")
+    wait_for(lambda: all(v["phase"] == "ended" for v in client.leases()), what="the last cell's lease given back")
 
 
 WRITE = ("%%gpu 2\nimport os\nos.makedirs(os.path.join(os.environ['GPULEASE_ARTIFACTS'], 'ckpt'))\n"

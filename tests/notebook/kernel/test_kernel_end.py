@@ -24,7 +24,6 @@ from benchmarks.holders import ExitClock  # the kernel's exit, seen through a pi
 
 #: the bar of issue 31: a kernel's leases end within this many seconds of the kernel's end (on the broker's host)
 WITHIN = 1.0
-ENDED = ("released", "revoked", "expired", "failed", "cancelled")
 
 
 @pytest.fixture
@@ -44,7 +43,7 @@ def kernels(tmp_path: Path) -> Iterator:
 def _mine(client, lease_ids: set[str] | None = None) -> list:  # type: ignore[no-untyped-def]
     """This user's leases that hold or wait (or, with ``lease_ids``, those leases whatever their state)."""
     if lease_ids is None:
-        return [x for x in client.leases() if x.state not in ENDED]
+        return [x for x in client.leases() if not x.ended]
     return [client.lease(i) for i in sorted(lease_ids)]
 
 
