@@ -19,7 +19,7 @@
 # designs tried are in docs/admin-guide.md and docs/images/replay-interactive-first-2x8.png), at the suspend/resume
 # costs measured on an H100 (0.46 s / 0.17 s per GiB) and 16 GiB per GPU, against the default policy in the same run:
 # - the contended 2x8 notebook trace: 1-GPU p95 time to GPU 0 s (default 840 s), 8-GPU p95 74,370 s (105,456 s),
-#   held-but-idle 5.3 % (6.8 %); over 16 jittered copies (medians) 1-GPU 7 s, 8-GPU 85,380 s (90,767 s);
+#   held-but-idle 5.2 % (6.7 %); over 16 jittered copies (medians) 1-GPU 7 s, 8-GPU 85,022 s (90,558 s);
 # - the contended month (3,000 jobs, load 0.9 of 2x8): 1-GPU p95 59 s (16,154 s), 8-GPU p95 234,433 s (433,230 s),
 #   held-but-idle 6.2 % (5.9 %); every suspended job completes.
 # What they cost: the month's 8-GPU median wait is 173,473 s (default 18,306 s) and its 4-GPU p95 70,353 s (49,939 s);

@@ -18,7 +18,9 @@ Two modes:
   within ``REGRANT_WINDOW``: the broker's ``warm_regrant_seconds``). Requests carry the session as their
   ``notebook`` label, as ``%%gpu``'s do. Bursts of one session run in order and keep their think time: when a
   burst waits for GPUs, the session's later bursts move by as much (a notebook runs the next cell
-  after the previous one and a pause).
+  after the previous one and a pause). With a sessions file, a session's kernel ends at its ``stop_s`` (moved as its
+  bursts were, never before its last burst's end), and the lease it still holds ends with it ("kernel_shutdown",
+  as the extension gives its kernel's leases back when the kernel ends) instead of lingering to its idle deadline.
 - ``session`` (today's baseline): each session asks for ``max_gpus`` at its start and holds them
   until its stop (moved by however long it waited for them), first come first served.
 """
@@ -263,6 +265,7 @@ class _LeaseSim(_Sim):
             self.push(OFFSET + bursts[0].start, _ARRIVE, key, 0)
         self.running: dict[str, Lease] = {}
         self.total = len(trace.bursts)
+        self.stops = {s.id: s.stop for s in trace.sessions}  # a session's kernel ends then (trace time)
         self._suspend_setup(suspend)
 
     def limit(self, need: float) -> float:
@@ -278,6 +281,8 @@ class _LeaseSim(_Sim):
             self.burst_end(*payload)
         elif kind == _DEADLINE:
             self.idle_deadline(*payload)
+        elif kind == _STOP:
+            self.kernel_end(*payload)
         elif kind == _PRESSURE:
             self.pressure_check(*payload)
         elif kind == _SUSPEND:
@@ -376,6 +381,17 @@ class _LeaseSim(_Sim):
         if idx + 1 < len(self.sessions[key]):
             nb = self.sessions[key][idx + 1]
             self.push(max(now, OFFSET + nb.start + st["shift"]), _ARRIVE, key, idx + 1)
+        elif key in self.stops:  # its last cell: the kernel ends at its stop, moved as its cells were
+            self.push(max(now, OFFSET + self.stops[key] + st["shift"]), _STOP, key)
+
+    def kernel_end(self, key: str) -> None:
+        """Session ``key``'s kernel ended: the lease it still holds (lingering, or suspended) ends with it."""
+        st = self.state[key]
+        lease: Lease | None = st["lease"]
+        if lease is None or lease.state.terminal or lease.id in self.running:
+            return
+        self.m.release(lease.id, st["who"], "kernel_shutdown")
+        self.collect()
 
     def pressure_check(self, lease: Lease | None, stamp: float) -> None:
         """A tick when an idle lease reaches the pressure idle timeout, or a request queued (``lease`` None): the

@@ -32,6 +32,7 @@ from lease_broker.replay.accuracy import accuracy, score
 from lease_broker.replay.cli import main as replay_main
 from lease_broker.replay.model import Told
 from lease_broker.replay.report import describe
+from lease_broker.replay.sim import OFFSET
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = Path("/work/shared/traces")
@@ -60,11 +61,13 @@ def test_warm_within_idle_window_and_cold_after_it(one_session):
     assert s["gpu_bursts"] == s["granted"] == 3 and s["cpu_bursts"] == 1
     assert [o.warm for o in run.outcomes] == [False, True, False]
     assert s["warm_grants"] == 1 and s["cold_regrants"] == 1 and s["cold_regrant_rate"] == 0.5
-    # lease 1 held 0..(400 + 600); lease 2 held 2000..(2100 + 600): both revoked as idle by the real enforcer
-    assert [(lease.state, lease.reason) for lease in run.leases] == [(LeaseState.REVOKED, "idle")] * 2
-    assert s["reserved_gpu_s"] == pytest.approx(1000 + 700)
+    # lease 1 held 0..(400 + 600), revoked as idle by the real enforcer; lease 2 held 2000..2100, when the session's
+    # kernel ended (its stop_s) and the lease with it
+    assert [(lease.state, lease.reason) for lease in run.leases] == [
+        (LeaseState.REVOKED, "idle"), (LeaseState.RELEASED, "kernel_shutdown")]
+    assert s["reserved_gpu_s"] == pytest.approx(1000 + 100)
     assert s["busy_gpu_s"] == 300
-    assert s["reserved_idle_fraction"] == pytest.approx(1 - 300 / 1700)
+    assert s["reserved_idle_fraction"] == pytest.approx(1 - 300 / 1100)
     assert s["time_to_gpu_s"]["1"]["max"] == 0
 
 
@@ -79,7 +82,7 @@ def test_baseline_holds_from_start_to_stop(one_session):
 def test_short_idle_timeout_makes_every_later_cell_cold(one_session):
     s = summarize(replay(one_session, Cluster(1, 1), mode="lease", idle=60))
     assert s["cold_regrant_rate"] == 1.0
-    assert s["reserved_gpu_s"] == pytest.approx(3 * 160)
+    assert s["reserved_gpu_s"] == pytest.approx(2 * 160 + 100)  # the last one ends with the kernel at 2100
 
 
 def test_policy_file_caps_the_idle_timeout(one_session, tmp_path):
@@ -109,6 +112,24 @@ def test_a_waiting_cell_moves_the_sessions_later_cells(tmp_path):
     b1, b2 = (o for o in run.outcomes if o.owner == "b")
     assert b1.wait == 50 and b1.arrival == 50
     assert b2.arrival == 250 and b2.wait == 0  # same 50 s pause after its (late) predecessor
+
+
+def test_the_lease_a_session_still_holds_ends_with_its_kernel(tmp_path):
+    # one GPU: a's cell ends at 100 and its kernel at 130, before its idle deadline (700) and before the pressure
+    # idle timeout would revoke it for b's waiting cell (160): its lease ends with the kernel (as the extension gives
+    # a kernel's leases back when it ends), and b's cell gets the GPU at 130. b waited 80 s, so its stop moves by as
+    # much (500 -> 580), still before its idle deadline (230 + 600).
+    bursts = write(tmp_path, "b.csv", "session_id,start_s,duration_s,num_gpus\na,0,100,1\nb,50,100,1\n")
+    sessions = write(tmp_path, "s.csv", "session_id,start_s,stop_s,max_gpus\na,0,130,1\nb,50,500,1\n")
+    run = replay(load_trace(bursts, sessions), Cluster(1, 1), mode="lease", idle=600)
+    assert [o.wait for o in run.outcomes] == [0, 80]
+    assert [(x.reason, x.ended_at - OFFSET) for x in run.leases] == [("kernel_shutdown", 130), ("kernel_shutdown", 580)]
+    # stops after the leases' ends change nothing (a's revoked for b at 160, b's idle at 260 + 600); nor does a trace
+    # without a sessions file, where no kernel ends
+    sessions = write(tmp_path, "s.csv", "session_id,start_s,stop_s,max_gpus\na,0,5000,1\nb,50,5000,1\n")
+    for trace in (load_trace(bursts, sessions), load_trace(bursts)):
+        run = replay(trace, Cluster(1, 1), mode="lease", idle=600)
+        assert [(x.reason, x.ended_at - OFFSET) for x in run.leases] == [("idle_pressure", 160), ("idle", 860)]
 
 
 def test_baseline_sessions_queue_first_come_first_served(tmp_path):
@@ -181,7 +202,7 @@ def test_cli_json_through_gpulease(tmp_path, one_session):
     assert out["baseline"]["reserved_gpu_s"] == 2100
     assert [r["idle_timeout_s"] for r in out["runs"]] == [60, 600]
     assert [r["cold_regrant_rate"] for r in out["runs"]] == [1.0, 0.5]
-    assert out["runs"][1]["reclaimed_fraction"] == pytest.approx(1 - 1700 / 2100)
+    assert out["runs"][1]["reclaimed_fraction"] == pytest.approx(1 - 1100 / 2100)
 
 
 def test_cli_table(tmp_path, capsys):

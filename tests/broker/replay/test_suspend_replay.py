@@ -10,6 +10,7 @@ from traitlets.config import Config
 
 from lease_broker.policy.lease_policy import LeasePolicy
 from lease_broker.replay import Cluster, Suspend, load_trace, replay, summarize
+from lease_broker.replay.sim import OFFSET
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "policies" / "interactive-first.py"
 
@@ -83,6 +84,13 @@ def test_an_idle_session_suspended_resumes_with_its_next_cell(tmp_path):
     # cell and the idle timeout, comes first: "expired"); the last stays suspended, holding no GPU
     assert s["cold_regrants"] == 0 and s["suspension"]["by_why"] == {"expired": 2}
     assert run.leases[0].state.value == "suspended" and len(run.leases) == 1
+    # with the session's stop known, its kernel's end ends the suspended lease (its GPU state is gone with it)
+    sessions = tmp_path / "s.csv"
+    sessions.write_text("session_id,start_s,stop_s,max_gpus\nnb,0,9000,2\n")
+    run = replay(load_trace(bursts, sessions), Cluster(1, 4), policy(preempt_mode="suspend"), idle=600)
+    (lease,) = run.leases
+    assert (lease.state.value, lease.reason) == ("released", "kernel_shutdown")
+    assert lease.ended_at - OFFSET == pytest.approx(9000 + run.outcomes[1].wait)  # moved as its cells were
 
 
 def test_the_example_policy_loads_for_the_replay():
