@@ -81,8 +81,9 @@ def parser() -> argparse.ArgumentParser:
         "and compare leasing with sessions that hold their GPUs.",
     )
     p.add_argument("bursts", help="bursts CSV: session_id,start_s,duration_s,num_gpus (extra columns ignored)")
-    p.add_argument("--sessions", help="sessions CSV: session_id,start_s,stop_s,max_gpus (for the baseline; "
-                   "default: each session spans its bursts and holds its largest request)")
+    p.add_argument("--sessions", help="sessions CSV: session_id,start_s,stop_s,max_gpus (for the baseline, and "
+                   "each session's kernel end, which ends the lease it still holds; default: each session spans its "
+                   "bursts and holds its largest request, and its last lease lingers to its idle deadline)")
     p.add_argument("--cluster", type=_cluster, default=Cluster(8, 8), help="NODESxGPUS_PER_NODE (default 8x8), or mixed groups "
                    "NODESxGPUS:GPU_NAME[:MEMORY] separated by commas, e.g. 2x8:A100-40GB,1x8:H100")
     p.add_argument("--config", help="broker policy file (traitlets python config: c.LeasePolicy.x = ...)")
