@@ -2,7 +2,8 @@
 
 lease granted → worker attached to the lease → job sent (inputs out of band) → output
 forwarded live to the cell and to ``output.log`` → result handed back → worker exits →
-lease released (that is when the GPU memory is actually free) → ``meta.json`` written.
+lease released (that is when the GPU memory is actually free) → ``meta.json`` written (once the kernel has
+answered the cell: ``fastpath.after_answer``).
 Cleanup lives in ``finally`` so the lease is released on every path.
 """
 
@@ -24,7 +25,7 @@ from ..client import BrokerClient, BrokerError
 from ..executors.base import Sink, Worker, WorkerCrashed
 from ..lease_view import LeaseView
 from ..wire import transfer, vmcopy
-from ..wire.fastpath import ATTACH_AFTER, later, on_pool
+from ..wire.fastpath import ATTACH_AFTER, after_answer, later, on_pool
 from .acquire import HOLDINGS, Heartbeater, ended_text, release_quietly
 from .drive import Sinks, drive
 from .suspending import Suspender
@@ -337,7 +338,8 @@ class LeaseRun:
         later(reap)  # on a thread that is already running: starting one would hold up the cell's answer
 
     def end(self, reason: str = "released", *, from_reaper: bool = False) -> None:
-        """Release the lease (idempotent, after its workers are gone) and write meta.json."""
+        """Release the lease (idempotent, after its workers are gone) and write meta.json (from the reaper: once the
+        kernel has answered the cell, ``fastpath.after_answer``)."""
         if self._auto_end and not from_reaper:
             return  # the reaper ends it the moment the worker is gone (never wait on its lock: it waits on the broker)
         with self._end_lock:
@@ -366,6 +368,12 @@ class LeaseRun:
             "code_sha256": self.code_hashes,
             "usage": final.usage if final is not None else None,  # peak GPU memory, mean/peak utilisation
         }
+        if from_reaper:  # the kernel is answering the cell now: its meta.json waits until that is done
+            after_answer(self._finish_artifacts, meta)
+        else:
+            self._finish_artifacts(meta)
+
+    def _finish_artifacts(self, meta: dict[str, Any]) -> None:
         try:
             self.artifacts.finish(meta)
         except Exception as e:  # storage trouble must not lose the result

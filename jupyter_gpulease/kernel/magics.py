@@ -28,7 +28,7 @@ from ..executors.base import Executor, Worker
 from ..executors.local import LocalExecutor, WarmPool
 from ..lease_view import LeaseView
 from ..wire import fastpath
-from ..wire.fastpath import REFILL_DELAY, later
+from ..wire.fastpath import AFTER_ANSWER, later
 from .acquire import HOLDINGS, GpuError, Heartbeater, LeaseUnavailable, acquire, gpu_error, kernel_log
 from .background import BackgroundJobs
 from .cellcode import check_plain_python, select_inputs
@@ -404,11 +404,11 @@ class GpuMagics(Magics):
         """Once the kernel has answered the cell: a warm worker for the next one (or memory for a session's next
         inputs), and memory for the next large results (``fastpath``)."""
         if session is None:
-            self.pool.fill(REFILL_DELAY)
+            self.pool.fill(AFTER_ANSWER)
         elif session.local:
             session.submit(fastpath.hold_message() or {"type": "hold", "nbytes": 0, "heap": 0})
         if fastpath.RESULTS.expected():
-            fastpath.RESULTS.prepare(REFILL_DELAY)
+            fastpath.RESULTS.prepare(AFTER_ANSWER)
 
     def shutdown(self) -> None:
         """At the kernel's clean exit (atexit) or the extension's unload: give back every lease this kernel holds

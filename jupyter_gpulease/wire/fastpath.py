@@ -2,7 +2,9 @@
 (BENCHMARKS.md, "%%gpu cells"; a fresh cell adds 4.0 ms median against ``%%px``'s 5.1 ms, and 1 GiB in and out
 takes 411 ms against Ray's 4,341 ms in the same run). What bought less than 5 % of what a user waits for went:
 holding a lease's release back 30 ms after the cell's answer (an interleaved A/B gave +8.9 ms per trivial cell
-without it, +9.2 ms with it) and with it the hurry of that held release by the kernel's next request.
+without it, +9.2 ms with it) and with it the hurry of that held release by the kernel's next request; a GIL switch
+interval of 0.5 ms while the kernel waits on the broker and the worker (6.36 ms against 6.27 ms without, 100
+interleaved rounds, 2026-11-27).
 
 **Memory faulted in ahead** (``Prefaulted``, ``Sizes``; buys the "1024 MiB in and out" figures: a first touch of a
 gigabyte cost 170 ms to 2.3 s on a busy 2-core VM, as much as the copy itself or many times more). A process's new
@@ -21,9 +23,11 @@ faults itself). Where it is missing, pages are zeroed by hand, and the memory is
 Memory is faulted in only when the system keeps at least ``HEADROOM`` of its memory available afterwards, and a
 waiting worker gives it back as soon as available memory falls below that (``short_of_memory``).
 
-**Timings that keep background work off the cell's answer** (``ATTACH_AFTER``, ``REFILL_DELAY``, ``later``): buy the
-"trivial cell: added time, fresh %%gpu" figure (about 3 ms of its 4 ms, measured interleaved, and up to 5 ms per
-``Thread.start`` on a busy host).
+**Timings that keep background work off the cell's answer** (``ATTACH_AFTER``, ``AFTER_ANSWER``, ``later``,
+``after_answer``): buy the "trivial cell: added time, fresh %%gpu" figure (about 3 ms of its 4 ms, measured
+interleaved, and up to 5 ms per ``Thread.start`` on a busy host). Writing ``meta.json`` after the answer instead of
+as the worker exits took 0.9 ms more off it (7.20 → 6.27 ms median, 100 interleaved rounds, 2026-11-27): the
+reaper's ``json.dump`` held the GIL while the kernel's answer waited for it.
 
 Both ends import this module; it must stay free of IPython imports (and of imports a cold worker start pays for).
 """
@@ -31,6 +35,7 @@ Both ends import this module; it must stay free of IPython imports (and of impor
 from __future__ import annotations
 
 import threading
+import time
 
 from . import vmcopy
 
@@ -52,12 +57,16 @@ STEP = 32 << 20  # faulted in per call (see ``populate``)
 #: done sooner is gone before the broker could act on it, and its attach would only compete with the cell's answer
 #: for the kernel and the broker (with ``end`` not waiting on the reaper: about 3 ms of a trivial cell, interleaved)
 ATTACH_AFTER = 0.02
-#: seconds after a cell before its warm worker is replaced and the spare for its results faulted in (the kernel
-#: answers the cell meanwhile: a process started during the answer delays it)
-REFILL_DELAY = 0.05
+#: seconds after a cell's result before the kernel's own work for the cell: its warm worker replaced, the spare for
+#: its results faulted in, its ``meta.json`` written (``after_answer``). The kernel answers the cell meanwhile, and
+#: work done during the answer delays it: a process started, or Python that holds the GIL while the answer waits
+#: for it (``json.dump`` with an indent is pure Python; a thread holding the GIL keeps the one that wants it back
+#: waiting up to the switch interval, 5 ms)
+AFTER_ANSWER = 0.05
 #: the kernel's background threads (``later``): enough for a cell's reaper, the warm pool's refill and the spare at once
 LATER_THREADS = 4
 _later_pool: ThreadPoolExecutor | None = None
+_after_pool: ThreadPoolExecutor | None = None
 _later_lock = threading.Lock()
 
 
@@ -73,6 +82,28 @@ def later(fn: Callable[..., Any], *args: Any) -> None:
             _later_pool = ThreadPoolExecutor(max_workers=LATER_THREADS, thread_name_prefix="gpulease-later")
         pool = _later_pool
     on_pool(pool, fn, *args)
+
+
+def after_answer(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` ``AFTER_ANSWER`` seconds from now, once the kernel has answered the cell, on one background
+    thread of the kernel (in the order asked: every task waits the same, so none waits for another's delay)."""
+    global _after_pool
+    due = time.monotonic() + AFTER_ANSWER
+
+    def run() -> None:
+        time.sleep(max(0.0, due - time.monotonic()))
+        fn(*args)
+
+    with _later_lock:
+        if _after_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _after_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpulease-after")
+        pool = _after_pool
+    try:
+        pool.submit(run)
+    except RuntimeError:  # the interpreter is exiting (see ``on_pool``): no answer to wait for
+        fn(*args)
 
 
 def on_pool(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> None:

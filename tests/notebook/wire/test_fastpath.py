@@ -116,3 +116,24 @@ def test_refused_direct_copies_still_fall_back_to_files_when_the_worker_holds_a_
     assert out["s"] == float(np.arange(1 << 20, dtype="f8").sum())  # the value arrived, through a file
     assert out["file"] and "was refused" in out["note"]
     assert out["t"] == 8 << 20  # the reserve was cut for it, then not copied into: nothing else changed
+
+
+def test_work_after_the_answer_runs_in_order_and_never_before_its_delay() -> None:
+    import threading
+    import time
+
+    done: list[tuple[str, float, str]] = []
+    finished = threading.Event()
+
+    def note(name: str) -> None:
+        done.append((name, time.monotonic(), threading.current_thread().name))
+
+    asked = time.monotonic()
+    fastpath.after_answer(note, "meta 1")
+    fastpath.after_answer(note, "meta 2")
+    fastpath.after_answer(finished.set)
+    assert done == []  # nothing on the asking thread: the kernel answers the cell meanwhile
+    assert finished.wait(10)
+    assert [name for name, _, _ in done] == ["meta 1", "meta 2"]
+    assert all(at >= asked + fastpath.AFTER_ANSWER for _, at, _ in done)
+    assert all(thread.startswith("gpulease-after") for _, _, thread in done)
