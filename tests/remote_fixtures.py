@@ -57,6 +57,17 @@ def release_all(client: BrokerClient) -> None:
                 client.release(lease["id"])
 
 
+@contextlib.contextmanager
+def released_client(broker: BrokerProcess, timeout: float) -> Iterator[BrokerClient]:
+    """A test's client of ``broker``: at the end of the block, every lease it left held is released."""
+    c = broker.client(timeout=timeout)
+    try:
+        yield c
+    finally:
+        release_all(c)
+        c.close()
+
+
 def placed(client: BrokerClient, lease: dict[str, Any], timeout: float) -> dict[str, Any]:
     """The lease's view once its Ray placement group is placed."""
     import waiting
@@ -73,6 +84,32 @@ def ray_env(cluster: Any) -> dict[str, str]:
     from ray_cluster import HEAD
 
     return {**cluster.env, "GPULEASE_RAY_NODE_IP": HEAD}
+
+
+def ray_cell_fixtures(name: str, kernel_env: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[Any, ...]:
+    """The fixtures of a module whose cells run on the session's Ray cluster (``ray_cluster``, tests/conftest.py):
+    ``broker`` (one for the module, ``--inventory=ray``), ``client`` (one per test, releasing what the test left
+    held) and ``kernel`` (one for the module, with ``kernel_env`` added to ``ray_env``). ``name`` names their
+    temporary directories. Use: ``broker, client, kernel = ray_cell_fixtures("ray-warm")``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def broker(ray_cluster: Any, tmp_path_factory: Any) -> Iterator[BrokerProcess]:
+        with running(ray_broker(ray_cluster, tmp_path_factory.mktemp(f"{name}-broker"), timeout=timeout)) as b:
+            yield b
+
+    @pytest.fixture
+    def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
+        with released_client(broker, timeout) as c:
+            yield c
+
+    @pytest.fixture(scope="module")
+    def kernel(ray_cluster: Any, broker: BrokerProcess, tmp_path_factory: Any) -> Iterator[Any]:
+        with kernel_of(broker, tmp_path_factory.mktemp(f"{name}-artifacts"),
+                       {**ray_env(ray_cluster), **(kernel_env or {})}) as k:
+            yield k
+
+    return broker, client, kernel
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """The optimisations of a ``%%gpu`` cell's path that are not plain code, in one place, each with the figure it buys
-(BENCHMARKS.md, "%%gpu cells"; a fresh cell adds 4.0 ms median against ``%%px``'s 5.1 ms, and 1 GiB in and out
-takes 411 ms against Ray's 4,341 ms in the same run). What bought less than 5 % of what a user waits for went:
-holding a lease's release back 30 ms after the cell's answer (an interleaved A/B gave +8.9 ms per trivial cell
+(BENCHMARKS.md, "%%gpu cells"; on 2026-11-27 a fresh cell added 6.10 ms median against ``%%px``'s 6.64 ms, and 1 GiB
+in and out took 454 ms against Ray's 3,508 ms in the same run). What bought less than 5 % of what a user waits for
+went: holding a lease's release back 30 ms after the cell's answer (an interleaved A/B gave +8.9 ms per trivial cell
 without it, +9.2 ms with it) and with it the hurry of that held release by the kernel's next request; a GIL switch
 interval of 0.5 ms while the kernel waits on the broker and the worker (6.36 ms against 6.27 ms without, 100
 interleaved rounds, 2026-11-27).

@@ -21,7 +21,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
-from remote_fixtures import kernel_of, ray_broker, ray_env, release_all, running
+from remote_fixtures import ray_cell_fixtures, ray_env
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -35,24 +35,7 @@ T = 60.0  # generous: on a busy 2-core machine an actor may take seconds to star
 wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
 
 
-@pytest.fixture(scope="module")
-def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    with running(ray_broker(ray_cluster, tmp_path_factory.mktemp("ray-api-broker"), timeout=T)) as b:
-        yield b
-
-
-@pytest.fixture
-def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
-    c = broker.client(timeout=T)
-    yield c
-    release_all(c)
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with kernel_of(broker, tmp_path_factory.mktemp("ray-api-artifacts"), ray_env(ray_cluster)) as k:
-        yield k
+broker, client, kernel = ray_cell_fixtures("ray-api", timeout=T)
 
 
 def _hold_head(client: BrokerClient) -> dict[str, Any]:

@@ -18,7 +18,15 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, private_mounts_missing, ray_missing, start_private_node
-from remote_fixtures import buffer_files_made, hidden_dir, kernel_of, ray_broker, ray_env, release_all, running
+from remote_fixtures import (
+    buffer_files_made,
+    hidden_dir,
+    kernel_of,
+    ray_broker,
+    ray_env,
+    released_client,
+    running,
+)
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -63,10 +71,8 @@ def broker(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
-    c = broker.client(timeout=T)
-    yield c
-    release_all(c)
-    c.close()
+    with released_client(broker, T) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
-from remote_fixtures import kernel_of, placed, ray_broker, ray_env, release_all, running
+from remote_fixtures import kernel_of, placed, ray_cell_fixtures, ray_env
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -41,24 +40,7 @@ WHERE = ("import os, time\n"
          " os.environ['GPULEASE_RAY_PLACEMENT_GROUP_ID'], os.environ['GPULEASE_NODE_IP'], flush=True)\n")
 
 
-@pytest.fixture(scope="module")
-def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    with running(ray_broker(ray_cluster, tmp_path_factory.mktemp("ray-warm-broker"), timeout=T)) as b:
-        yield b
-
-
-@pytest.fixture
-def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
-    c = broker.client(timeout=T)
-    yield c
-    release_all(c)
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with kernel_of(broker, tmp_path_factory.mktemp("ray-warm-artifacts"), ray_env(ray_cluster)) as k:
-        yield k
+broker, client, kernel = ray_cell_fixtures("ray-warm", timeout=T)
 
 
 def _where(r: Any) -> dict[str, Any]:

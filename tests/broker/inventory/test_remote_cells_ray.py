@@ -12,15 +12,13 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import waiting
-from broker_process import BrokerProcess
-from ray_cluster import LocalRayCluster, ray_missing
-from remote_fixtures import kernel_of, placed, ray_broker, ray_env, release_all, running
+from ray_cluster import ray_missing
+from remote_fixtures import placed, ray_cell_fixtures
 
 from jupyter_gpulease.client import BrokerClient
 
@@ -34,25 +32,7 @@ T = 60.0  # generous: on a busy 2-core machine an actor may take seconds to star
 wait_for = functools.partial(waiting.wait_for, timeout=T, interval=0.05)
 
 
-@pytest.fixture(scope="module")
-def broker(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    with running(ray_broker(ray_cluster, tmp_path_factory.mktemp("ray-cells-broker"), timeout=T)) as b:
-        yield b
-
-
-@pytest.fixture
-def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
-    c = broker.client(timeout=T)
-    yield c
-    release_all(c)
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster: LocalRayCluster, broker: BrokerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with kernel_of(broker, tmp_path_factory.mktemp("ray-cells-artifacts"),
-                   {**ray_env(ray_cluster), "PYTHONUNBUFFERED": "1"}) as k:
-        yield k
+broker, client, kernel = ray_cell_fixtures("ray-cells", {"PYTHONUNBUFFERED": "1"}, timeout=T)
 
 
 def _held(client: BrokerClient) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import private_mounts_missing
-from remote_fixtures import hidden_dir, kernel_of, release_all, running, slurm_broker
+from remote_fixtures import hidden_dir, kernel_of, released_client, running, slurm_broker
 from slurm_cluster import LocalSlurmCluster, local_slurm_cluster, slurm_missing
 
 from jupyter_gpulease.client import BrokerClient
@@ -56,11 +56,9 @@ def broker(cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture
 def client(broker: BrokerProcess, cluster: LocalSlurmCluster) -> Iterator[BrokerClient]:
-    c = broker.client(timeout=T)
-    yield c
-    release_all(c)
+    with released_client(broker, T) as c:
+        yield c
     wait_for(lambda: not cluster.jobs(), what="Slurm to have no allocation of the broker left")
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,14 @@ import pytest
 import waiting
 from broker_process import BrokerProcess
 from ray_cluster import private_mounts_missing
-from remote_fixtures import buffer_files_made, hidden_dir, kernel_of, release_all, running, slurm_broker
+from remote_fixtures import (
+    buffer_files_made,
+    hidden_dir,
+    kernel_of,
+    released_client,
+    running,
+    slurm_broker,
+)
 from slurm_cluster import LocalSlurmCluster, local_slurm_cluster, slurm_missing
 
 from jupyter_gpulease.client import BrokerClient
@@ -62,10 +69,8 @@ def broker(cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
-    c = broker.client(timeout=T)
-    yield c
-    release_all(c)
-    c.close()
+    with released_client(broker, T) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
