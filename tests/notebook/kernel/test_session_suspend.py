@@ -298,6 +298,10 @@ def test_a_cell_that_comes_while_the_region_is_faulted_in_says_what_it_waits_for
     The worker is stopped before the warning, so the kernel's request for the region (bytes waiting on the worker's
     stdin) stays unanswered until the test lets it go on."""
     k, c, fake, pid, lease_id, want = _region_session(stage, tmp_path, 64 << 20)
+    # the first cell's end left a message for the worker (memory for its next inputs): read before it is stopped, so
+    # that what then waits in its pipe is the region's request (a loaded machine stopped it unread once: the cell
+    # came before the warning and waited on the stopped worker, silently)
+    wait_for(lambda: _pipes_pending(pid) == 0, 20, "the worker to read what its first cell's end sent it")
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: _pipes_pending(pid) > 0, 20, "the kernel's request for the region, at the idle warning")
