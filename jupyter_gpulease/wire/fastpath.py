@@ -65,41 +65,37 @@ ATTACH_AFTER = 0.02
 AFTER_ANSWER = 0.05
 #: the kernel's background threads (``later``): enough for a cell's reaper, the warm pool's refill and the spare at once
 LATER_THREADS = 4
-_later_pool: ThreadPoolExecutor | None = None
-_after_pool: ThreadPoolExecutor | None = None
-_later_lock = threading.Lock()
+_pools: dict[str, ThreadPoolExecutor] = {}  # the kernel's background threads, by name, started when first needed
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str, threads: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(name)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = _pools[name] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        return pool
 
 
 def later(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` on one of the kernel's background threads (kernel side only), started once and idle between
     cells: ``Thread.start`` waits until the new thread has run, which took up to 5 ms on a busy host, three times a
     cell, on the cell's critical path; a task handed to an idle thread costs a queue put."""
-    global _later_pool
-    with _later_lock:
-        if _later_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _later_pool = ThreadPoolExecutor(max_workers=LATER_THREADS, thread_name_prefix="gpulease-later")
-        pool = _later_pool
-    on_pool(pool, fn, *args)
+    on_pool(_pool("gpulease-later", LATER_THREADS), fn, *args)
 
 
 def after_answer(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` ``AFTER_ANSWER`` seconds from now, once the kernel has answered the cell, on one background
     thread of the kernel (in the order asked: every task waits the same, so none waits for another's delay)."""
-    global _after_pool
     due = time.monotonic() + AFTER_ANSWER
 
     def run() -> None:
         time.sleep(max(0.0, due - time.monotonic()))
         fn(*args)
 
-    with _later_lock:
-        if _after_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _after_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpulease-after")
-        pool = _after_pool
+    pool = _pool("gpulease-after", 1)
     try:
         pool.submit(run)
     except RuntimeError:  # the interpreter is exiting (see ``on_pool``): no answer to wait for

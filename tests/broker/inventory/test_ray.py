@@ -19,7 +19,7 @@ import waiting
 from broker_process import BrokerProcess
 from kernels import Reply
 from ray_cluster import HEAD, SECOND, LocalRayCluster, ray_missing
-from remote_fixtures import kernel_of, ray_broker, ray_env
+from remote_fixtures import kernel_of, ray_broker, ray_env, release_all
 
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
@@ -57,9 +57,7 @@ def broker(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -
 def client(broker: BrokerProcess) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():  # leave nothing held for the next test
-        if lease["phase"] != "ended":
-            c.release(lease["id"])
+    release_all(c)  # leave nothing held for the next test
     wait_for(lambda: not _broker_groups(), what="the broker's placement groups to be removed")
     c.close()
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import waiting
 from broker_process import BrokerProcess
-from remote_fixtures import kernel_of, slurm_broker
+from remote_fixtures import kernel_of, release_all, slurm_broker
 from slurm_cluster import MAX_TIME_MINUTES, LocalSlurmCluster, local_slurm_cluster, slurm_missing
 from users import as_user, second_user  # noqa: F401  (fixture)
 
@@ -56,9 +56,7 @@ def broker(cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory)
 def client(broker: BrokerProcess, cluster: LocalSlurmCluster) -> Iterator[BrokerClient]:
     c = broker.client(timeout=T)
     yield c
-    for lease in c.leases():  # leave nothing held for the next test
-        if lease["phase"] != "ended":
-            c.release(lease["id"])
+    release_all(c)  # leave nothing held for the next test
     wait_for(lambda: not _live_jobs(cluster), what="Slurm to have no allocation of the broker left")
     wait_for(lambda: c.gpus()["summary"]["free"] == 6, what="the broker to see every GPU drained")
     c.close()
